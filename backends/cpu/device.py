@@ -1,0 +1,246 @@
+"""The CPU device layer: Megatron's CUDA assumptions, answered on a machine with no accelerator.
+
+Megatron (core and training) has hundreds of `torch.cuda.*` calls, `device="cuda"` /
+`current_device()` allocations, `.cuda()` moves, `'torch.cuda.FloatTensor'` type-string asserts,
+nccl process groups and CUDA streams on its path. Rather than edit each site, this layer:
+
+* replaces a small set of `torch.cuda` entry points (device queries, streams, events, synchronize,
+  memory statistics, RNG, nvtx) with CPU answers;
+* maps nccl process groups to gloo (`init_process_group`, `new_group`) and drops `device_id`s;
+* pushes one TorchFunctionMode that rewrites any CUDA device argument to the CPU, makes
+  `Tensor.cuda()` / `pin_memory()` identities and `Tensor.type()` report `torch.cuda.*` names.
+
+`install()` saves every original; `uninstall()` restores them and pops the mode. Only the cpu
+backend installs it; it never changes behaviour on a machine that has CUDA.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+_saved: list[tuple[object, str, object, bool]] = []
+_mode: "CudaOnCpuMode | None" = None
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True  # a bare index always means "the accelerator" in Megatron's code
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _type_name(t: torch.Tensor) -> str:
+    name = torch.Tensor.type(t)  # inside the mode's handler the mode is off
+    return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+
+
+_TO = torch.Tensor.to
+_CUDA = torch.Tensor.cuda
+_TYPE = torch.Tensor.type
+_PASSTHROUGH = {torch.Tensor.pin_memory, torch.Tensor.record_stream}
+
+
+class CudaOnCpuMode(TorchFunctionMode):
+    """Rewrites CUDA placements to the CPU for every torch function called under it."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _CUDA:
+            return args[0]
+        if func in _PASSTHROUGH:
+            return args[0] if func is torch.Tensor.pin_memory else None
+        if func is _TYPE:
+            if len(args) == 1 and "dtype" not in kwargs:
+                return _type_name(args[0])
+            if len(args) > 1 and isinstance(args[1], str):
+                args = (args[0], args[1].replace("torch.cuda.", "torch."), *args[2:])
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is _TO and len(args) > 1 and (_is_cuda(args[1])):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _Stream:
+    """A CUDA stream stand-in: work on the CPU is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        self.device = torch.device("cpu")
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _properties(device=None):
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return types.SimpleNamespace(name="cpu (megatron-adapt)", major=0, minor=0, total_memory=total,
+                                 multi_processor_count=os.cpu_count() or 1, gcnArchName="",
+                                 L2_cache_size=0, is_integrated=False, uuid="cpu")
+
+
+_DEFAULT_STREAM = _Stream()
+_zero = lambda *a, **k: 0  # noqa: E731
+_none = lambda *a, **k: None  # noqa: E731
+
+CUDA_API = {
+    "set_device": _none,
+    "current_device": lambda: 0,
+    "device_count": lambda: 1,  # 0 makes Megatron silently skip model-parallel initialisation
+    "synchronize": _none,
+    "Stream": _Stream,
+    "Event": _Event,
+    "stream": lambda s=None: contextlib.nullcontext(s),
+    "current_stream": lambda device=None: _DEFAULT_STREAM,
+    "default_stream": lambda device=None: _DEFAULT_STREAM,
+    "get_device_properties": _properties,
+    "get_device_capability": lambda device=None: (0, 0),
+    "get_device_name": lambda device=None: "cpu (megatron-adapt)",
+    "is_bf16_supported": lambda *a, **k: True,
+    "memory_allocated": _zero,
+    "max_memory_allocated": _zero,
+    "memory_reserved": _zero,
+    "max_memory_reserved": _zero,
+    "reset_peak_memory_stats": _none,
+    "reset_max_memory_allocated": _none,
+    "memory_stats": lambda *a, **k: {},
+    "mem_get_info": lambda device=None: (_properties().total_memory, _properties().total_memory),
+    "empty_cache": _none,
+    "ipc_collect": _none,
+    "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+    "set_rng_state": lambda new_state, device="cuda": torch.set_rng_state(new_state),
+    "get_rng_state_all": lambda: [torch.get_rng_state()],
+    "set_rng_state_all": lambda states: torch.set_rng_state(states[0]),
+    "manual_seed": lambda seed: torch.random.default_generator.manual_seed(int(seed)),
+    "manual_seed_all": lambda seed: torch.random.default_generator.manual_seed(int(seed)),
+    "seed": lambda: torch.random.default_generator.seed(),
+    "initial_seed": lambda: torch.random.default_generator.initial_seed(),
+}
+NVTX_API = {"range_push": _zero, "range_pop": _zero, "mark": _none}
+
+
+def _gloo(backend):
+    if backend is None:
+        return None
+    text = str(backend).lower()
+    return "gloo" if "nccl" in text or "cuda" in text else backend
+
+
+def _wrap_init_process_group(original):
+    def init_process_group(backend=None, *args, **kwargs):
+        kwargs.pop("device_id", None)
+        return original(_gloo(backend) or "gloo", *args, **kwargs)
+    return init_process_group
+
+
+def _wrap_new_group(original):
+    def new_group(*args, **kwargs):
+        if "backend" in kwargs:
+            kwargs["backend"] = _gloo(kwargs["backend"])
+        kwargs.pop("device_id", None)
+        if kwargs.get("pg_options") is not None and kwargs.get("backend") in (None, "gloo"):
+            kwargs["pg_options"] = None  # NCCL options mean nothing to gloo
+        return original(*args, **kwargs)
+    return new_group
+
+
+def _wrap_barrier(original):
+    def barrier(group=None, async_op=False, device_ids=None):
+        return original(group=group, async_op=async_op)
+    return barrier
+
+
+def _set(owner, name, value):
+    had = name in vars(owner)
+    _saved.append((owner, name, getattr(owner, name, None), had))
+    setattr(owner, name, value)
+
+
+def installed() -> bool:
+    return _mode is not None
+
+
+def install() -> None:
+    """Idempotent."""
+    global _mode
+    if _mode is not None:
+        return
+    for name, fn in CUDA_API.items():
+        _set(torch.cuda, name, fn)
+    for name, fn in NVTX_API.items():
+        _set(torch.cuda.nvtx, name, fn)
+    if dist.is_available():
+        for name, wrap in (("init_process_group", _wrap_init_process_group),
+                           ("new_group", _wrap_new_group), ("barrier", _wrap_barrier)):
+            _set(dist, name, wrap(getattr(dist, name)))
+    # Megatron requires this with TP > 1 on pre-Blackwell "devices"; the CPU has no connections.
+    if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        _saved.append((os.environ, "CUDA_DEVICE_MAX_CONNECTIONS", None, False))
+    _mode = CudaOnCpuMode()
+    _mode.__enter__()
+
+
+def uninstall() -> None:
+    global _mode
+    if _mode is None:
+        return
+    try:
+        _mode.__exit__(None, None, None)
+    finally:
+        _mode = None
+        while _saved:
+            owner, name, original, had = _saved.pop()
+            if owner is os.environ:
+                os.environ.pop(name, None)
+            elif had:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)

@@ -1,0 +1,29 @@
+"""Adam / SGD with apex FusedAdam's signature, served by torch.optim's multi-tensor (foreach) path."""
+import torch
+
+from megatron_adapt import report
+
+
+def make_adam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+              weight_decay=0.0, amsgrad=False, *, impl_flags, impl_name, **unsupported):
+    """apex.optimizers.FusedAdam's constructor, returning the torch optimizer with the same math."""
+    if unsupported:
+        raise TypeError(f"{impl_name} Adam does not support {sorted(unsupported)} "
+                        "(precision-aware optimizer options need Transformer Engine's FusedAdam)")
+    if not bias_correction:
+        raise ValueError("bias_correction=False is not supported by torch.optim Adam/AdamW")
+    cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    report.ran("adam", f"{impl_name}.{cls.__name__}")
+    return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, **impl_flags)
+
+
+def Adam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+         weight_decay=0.0, amsgrad=False, **kwargs):
+    return make_adam(params, lr, bias_correction, betas, eps, adam_w_mode, weight_decay, amsgrad,
+                     impl_flags={"foreach": True}, impl_name="cpu.torch.foreach", **kwargs)
+
+
+def SGD(params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, **kwargs):
+    report.ran("sgd", "cpu.torch.foreach.SGD")
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, dampening=dampening,
+                           weight_decay=weight_decay, nesterov=nesterov, foreach=True, **kwargs)

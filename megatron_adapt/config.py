@@ -1,0 +1,63 @@
+"""Typed configuration, resolved from explicit arguments first, then the environment.
+
+Never read from sys.argv: Megatron owns the command line.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+ENV_BACKEND = "MEGATRON_ADAPT_BACKEND"
+ENV_STRICT = "MEGATRON_ADAPT_STRICT"
+ENV_DISABLE = "MEGATRON_ADAPT_DISABLE"
+ENV_REPORT = "MEGATRON_ADAPT_REPORT"
+ENV_AUTO = "MEGATRON_ADAPT_AUTO"  # "0": `import megatron_adapt` does not apply (library / test use)
+ENV_QUIET = "MEGATRON_ADAPT_QUIET"  # "1": no start-up table on rank 0
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _split(value: str | None) -> frozenset[str]:
+    return frozenset(p.strip() for p in (value or "").split(",") if p.strip())
+
+
+@dataclass(frozen=True)
+class Config:
+    backend: str = "auto"
+    strict: bool = False
+    disabled: frozenset[str] = field(default_factory=frozenset)
+    report_path: str | None = None
+    quiet: bool = False
+
+    @classmethod
+    def resolve(cls, backend: str | None = None, **switches) -> "Config":
+        """Explicit arguments win over the environment.
+
+        switches: strict=bool, report_path=str, quiet=bool, disable=iterable of areas, and
+        ``<area>=False`` to turn one patch area off (``cross_entropy=False``).
+        """
+        env = os.environ
+        disabled = set(_split(env.get(ENV_DISABLE)))
+        disabled |= set(switches.pop("disable", ()) or ())
+        for key in list(switches):
+            if key in ("strict", "report_path", "quiet"):
+                continue
+            value = switches.pop(key)
+            if value is False:
+                disabled.add(key)
+            elif value is True:
+                disabled.discard(key)
+            else:
+                raise TypeError(f"unknown switch {key}={value!r}: area switches take True/False")
+        return cls(
+            backend=(backend or env.get(ENV_BACKEND) or "auto").strip().lower(),
+            strict=switches.get("strict", _truthy(env.get(ENV_STRICT))),
+            disabled=frozenset(disabled),
+            report_path=switches.get("report_path", env.get(ENV_REPORT) or None),
+            quiet=switches.get("quiet", _truthy(env.get(ENV_QUIET))),
+        )
+
+    def enabled(self, area: str) -> bool:
+        return area not in self.disabled and "all" not in self.disabled

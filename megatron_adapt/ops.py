@@ -1,0 +1,36 @@
+"""The backend-neutral op contract. Patches call these names; every backend implements them.
+
+Tensors are on the backend's device; every op that takes part in training supports autograd.
+Each implementation reports itself with `report.ran(op, impl)` (or `report.fell_back`).
+
+op                          signature -> result
+--------------------------  ------------------------------------------------------------------
+vocab_parallel_cross_entropy (logits[..., V/tp], target[...] int64 global ids, label_smoothing: float,
+                             tp_group | None) -> loss[...] fp32. Max and sum-exp reduced over tp_group.
+rms_norm                    (x[..., h], weight[h], eps: float) -> y (x.dtype)
+layer_norm                  (x[..., h], weight[h], bias[h] | None, eps: float) -> y (x.dtype)
+scaled_masked_softmax       (scores[b, np, sq, sk], mask bool [b|1, 1|np, sq, sk] True=masked | None,
+                             scale: float | None, causal: bool, window_size: (left, right) | None,
+                             softmax_in_fp32: bool) -> probs (scores.dtype)
+attention                   (q[b, hq, sq, d], k[b, hkv, sk, d], v[b, hkv, sk, d], attn_mask bool
+                             True=masked broadcastable to [b, hq, sq, sk] | None, causal: bool,
+                             scale: float | None, dropout_p: float, window_size | None) -> out[b, hq, sq, d]
+rope                        (t[s, b, h, d], freqs[s, 1, 1, r] angles (r <= d), interleaved: bool)
+                             -> t with its first r channels rotated
+swiglu                      (x[..., 2f]) -> silu(x[..., :f]) * x[..., f:]
+bias_swiglu                 (x, bias) -> swiglu(x + bias)
+bias_gelu                   (bias, y) -> gelu_tanh(y + bias)
+adam                        optimizer class, apex FusedAdam signature (params, lr, betas, eps,
+                             weight_decay, adam_w_mode=True, ...)
+sgd                         optimizer class, torch.optim.SGD signature
+multi_tensor_l2norm         (tensors: list) -> fp32 scalar tensor, the l2 norm of all of them
+multi_tensor_scale          (srcs: list, dsts: list, scale: float) -> None; dst = src * scale
+rng_get_state               () -> state tensor of the generator Megatron calls "cuda"
+rng_set_state               (state) -> None
+"""
+
+OPS = (
+    "vocab_parallel_cross_entropy", "rms_norm", "layer_norm", "scaled_masked_softmax", "attention",
+    "rope", "swiglu", "bias_swiglu", "bias_gelu", "adam", "sgd", "multi_tensor_l2norm",
+    "multi_tensor_scale", "rng_get_state", "rng_set_state",
+)

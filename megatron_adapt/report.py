@@ -1,0 +1,131 @@
+"""What ran: one record per patch, and per op the implementations that actually executed.
+
+Ops call `ran(op, impl)` on every call (a dict increment) and `fell_back(op, impl, reason)`
+when they could not take their fast path, so a silent fallback cannot happen: it is counted,
+shown in the table, and with MEGATRON_ADAPT_STRICT=1 it raises.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+from .errors import StrictFallbackError
+
+APPLIED, SKIPPED, DISABLED, FAILED, PENDING, REVERTED = (
+    "applied", "skipped", "disabled", "failed", "pending", "reverted")
+
+
+@dataclass
+class PatchRecord:
+    target: str
+    area: str
+    mode: str
+    status: str = PENDING
+    reason: str = ""
+    implementation: str = ""
+    sites: list[str] = field(default_factory=list)       # every place now holding our object
+    unrebound: list[str] = field(default_factory=list)   # references we saw but could not rebind
+
+
+_patch_records: dict[str, PatchRecord] = {}
+_op_counts: Counter = Counter()            # (op, impl) -> calls
+_op_fallbacks: dict[tuple[str, str], str] = {}   # (op, impl) -> first reason
+_strict = False
+_context: dict = {}
+
+
+def set_context(*, strict: bool, **info) -> None:
+    global _strict
+    _strict = strict
+    _context.clear()
+    _context.update(info)
+
+
+def patch_record(spec) -> PatchRecord:
+    rec = _patch_records.get(spec.target)
+    if rec is None:
+        rec = _patch_records[spec.target] = PatchRecord(spec.target, spec.area, spec.mode)
+    return rec
+
+
+def ran(op: str, impl: str) -> None:
+    """Count one call of `op` served by `impl`. Hot path: keep it a dict increment."""
+    _op_counts[(op, impl)] += 1
+
+
+def fell_back(op: str, impl: str, reason: str) -> None:
+    """`op` could not use its preferred kernel and ran `impl` instead, because `reason`."""
+    if _strict:
+        raise StrictFallbackError(
+            f"{op}: fell back to {impl} because {reason} (MEGATRON_ADAPT_STRICT=1 forbids fallbacks)")
+    _op_counts[(op, impl)] += 1
+    _op_fallbacks.setdefault((op, impl), reason)
+
+
+def op_counts() -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for (op, impl), n in sorted(_op_counts.items()):
+        out.setdefault(op, {})[impl] = n
+    return out
+
+
+def reset_op_counts() -> None:
+    _op_counts.clear()
+    _op_fallbacks.clear()
+
+
+def as_dict() -> dict:
+    return {
+        **_context,
+        "strict": _strict,
+        "patches": [asdict(r) for r in _patch_records.values()],
+        "ops": [
+            {"op": op, "implementation": impl, "calls": n,
+             "fallback_reason": _op_fallbacks.get((op, impl), "")}
+            for (op, impl), n in sorted(_op_counts.items())
+        ],
+    }
+
+
+def format_table(data: dict | None = None) -> str:
+    data = data or as_dict()
+    lines = [
+        f"megatron-adapt: backend={data.get('backend')} ({data.get('backend_reason', '')}) "
+        f"megatron-core={data.get('megatron_core')} torch={data.get('torch')} strict={data.get('strict')}",
+    ]
+    rows = [(p["area"], p["target"], p["status"], p["implementation"] or "-",
+             p["reason"] + (f" [unrebound: {', '.join(p['unrebound'])}]" if p["unrebound"] else ""))
+            for p in data["patches"]]
+    header = ("area", "target", "status", "implementation", "why / notes")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(4)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
+    lines.append(fmt.format(*header))
+    lines.extend(fmt.format(*r) for r in rows)
+    if data["ops"]:
+        lines.append("ops that ran (calls per implementation):")
+        for o in data["ops"]:
+            why = f"  FELL BACK: {o['fallback_reason']}" if o["fallback_reason"] else ""
+            lines.append(f"  {o['op']:<28} {o['implementation']:<36} {o['calls']:>8}{why}")
+    return "\n".join(lines)
+
+
+def write_json(path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(as_dict(), f, indent=1)
+    os.replace(tmp, path)
+
+
+def _rank() -> int:
+    for var in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def print_startup_table(quiet: bool) -> None:
+    if not quiet and _rank() == 0:
+        print(format_table(), file=sys.stderr, flush=True)

@@ -1,0 +1,20 @@
+"""Patches know Megatron: one module per Megatron area, each a list of PatchSpec in SPECS.
+
+A patch adapts Megatron's call signature to a backend-neutral op (megatron_adapt.ops) and never
+imports a hardware library. MEGATRON_ADAPT_DISABLE takes these area names.
+"""
+
+AREAS = (
+    "jit",
+    "rng",
+    "training",
+    "cross_entropy",
+    "norms",
+    "softmax",
+    "attention",
+    "rope",
+    "activations",
+    "optimizer",
+    "multi_tensor",
+    "startup_report",
+)

@@ -1,0 +1,62 @@
+"""The local DotProductAttention core on the backend's attention op (SDPA-style, fused).
+
+Megatron's local core materialises [b, np, sq, sk] scores through baddbmm + softmax + bmm. The op
+takes q/k/v as [b, h, s, d] views of Megatron's [s, b, h, d] tensors, GQA without repeating k/v,
+causal / padding / arbitrary masks, sliding windows and dropout (under the model-parallel RNG
+tracker, as Megatron's dropout is). Softmax offsets, attention bias and packed sequences keep
+Megatron's own path, reported as a fallback.
+"""
+import contextlib
+
+from megatron_adapt import report
+from megatron_adapt.spec import PatchSpec
+
+
+def build(backend, original):
+    attention = backend.op("attention")
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.enums import AttnMaskType
+
+    def unsupported(self, attention_mask, attn_mask_type, attention_bias, packed_seq_params):
+        if packed_seq_params is not None:
+            return "packed sequences (thd)"
+        if attention_bias is not None:
+            return "attention_bias"
+        if getattr(self, "softmax_offset", None) is not None:
+            return "softmax offset"
+        if attention_mask is not None and attention_mask.dtype.is_floating_point:
+            return "additive float mask"
+        return None
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        why = unsupported(self, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+        if why:
+            report.fell_back("attention", "megatron.DotProductAttention", why)
+            return original(self, query, key, value, attention_mask, attn_mask_type,
+                            attention_bias, packed_seq_params)
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        window = self.scale_mask_softmax.window_size
+        mask = None if mask_type == AttnMaskType.no_mask else attention_mask
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal,
+                               AttnMaskType.causal_bottom_right) and mask is None
+        # Megatron divides the score scale by layer_number under query-key layer scaling and
+        # multiplies it back inside the softmax: the net scale is softmax_scale * coeff.
+        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        rng = (tensor_parallel.get_cuda_rng_tracker().fork()
+               if dropout_p > 0 and not self.config.sequence_parallel else contextlib.nullcontext())
+        sq, b = query.size(0), query.size(1)
+        with rng:
+            out = attention(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+                            attn_mask=mask, causal=causal, scale=scale, dropout_p=dropout_p,
+                            window_size=window)
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+    return forward
+
+
+SPECS = [
+    PatchSpec("megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
+              area="attention", build=build),
+]

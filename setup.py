@@ -1,0 +1,37 @@
+"""megatron-adapt: one distribution; `backends/` and `patches/` install as subpackages of megatron_adapt."""
+from setuptools import setup
+
+PACKAGES = {
+    "megatron_adapt": "megatron_adapt",
+    "megatron_adapt.bootstrap": "megatron_adapt/bootstrap",
+    "megatron_adapt.backends": "backends",
+    "megatron_adapt.backends.cpu": "backends/cpu",
+    "megatron_adapt.backends.cuda": "backends/cuda",
+    "megatron_adapt.backends.npu": "backends/npu",
+    "megatron_adapt.patches": "patches",
+}
+
+# The Megatron-LM training code imports these at start-up but megatron-core does not declare them.
+MEGATRON_LM_RUNTIME = ["six", "regex", "pyyaml", "pydantic", "psutil", "einops"]
+
+setup(
+    name="megatron-adapt",
+    version="0.1.0",
+    description="Hardware-backend plugin layer for NVIDIA Megatron-LM (cuda, npu, cpu)",
+    python_requires=">=3.10",
+    packages=list(PACKAGES),
+    package_dir=PACKAGES,
+    install_requires=["torch>=2.4", "wrapt>=1.15", "packaging"],
+    extras_require={
+        "megatron": ["megatron-core>=0.15.0,<0.17"] + MEGATRON_LM_RUNTIME,
+        "test": ["pytest>=7", "megatron-core>=0.15.0,<0.17", "triton", "numpy"] + MEGATRON_LM_RUNTIME,
+        "cuda": ["triton>=3.0"],
+        "npu": [],  # torch_npu comes from Ascend's own index, matched to the CANN toolkit
+    },
+    entry_points={
+        "console_scripts": [
+            "megatron-adapt=megatron_adapt.cli:main",
+            "megatron-adapt-run=megatron_adapt.launcher:main",
+        ]
+    },
+)
