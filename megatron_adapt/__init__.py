@@ -5,7 +5,8 @@ MEGATRON_ADAPT_AUTO=0. Public API: apply(backend=None, **switches), revert(), re
 """
 import os as _os
 
-from .core import active_backend, apply, report, revert
+from . import report
+from .core import active_backend, apply, revert
 from .errors import (BackendUnavailableError, MegatronAdaptError, StrictFallbackError,
                      UnknownBackendError, UnsupportedMegatronVersionError)
 

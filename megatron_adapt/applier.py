@@ -38,7 +38,7 @@ _generation = 0                         # bumps on revert so stale import hooks 
 
 
 def is_ours(obj) -> bool:
-    return _ours.get(id(obj)) is obj
+    return id(obj) in _ours and _ours[id(obj)] is obj
 
 
 def installed() -> dict[str, Installed]:

@@ -94,8 +94,3 @@ def revert() -> None:
     _state.clear()
     if keep_atexit:
         _state["atexit"] = True
-
-
-def report(as_json: bool = False):
-    """The patch table (str), or its dict with as_json=True."""
-    return _report.as_dict() if as_json else _report.format_table()

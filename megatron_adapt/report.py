@@ -129,3 +129,14 @@ def _rank() -> int:
 def print_startup_table(quiet: bool) -> None:
     if not quiet and _rank() == 0:
         print(format_table(), file=sys.stderr, flush=True)
+
+
+class _ReportModule(type(sys)):
+    """`megatron_adapt.report()` is the public call; `megatron_adapt.report.ran(...)` the op hooks."""
+
+    def __call__(self, as_json: bool = False):
+        """The patch table (str), or its dict with as_json=True."""
+        return as_dict() if as_json else format_table()
+
+
+sys.modules[__name__].__class__ = _ReportModule

@@ -127,14 +127,19 @@ def _properties(device=None):
 
 
 _DEFAULT_STREAM = _Stream()
-_zero = lambda *a, **k: 0  # noqa: E731
-_none = lambda *a, **k: None  # noqa: E731
+
+
+def _returns(value):
+    """A fresh function per name: torch._dynamo's trace rules refuse one object under two names."""
+    return lambda *args, **kwargs: value
+
+
 
 CUDA_API = {
-    "set_device": _none,
+    "set_device": _returns(None),
     "current_device": lambda: 0,
     "device_count": lambda: 1,  # 0 makes Megatron silently skip model-parallel initialisation
-    "synchronize": _none,
+    "synchronize": _returns(None),
     "Stream": _Stream,
     "Event": _Event,
     "stream": lambda s=None: contextlib.nullcontext(s),
@@ -144,16 +149,16 @@ CUDA_API = {
     "get_device_capability": lambda device=None: (0, 0),
     "get_device_name": lambda device=None: "cpu (megatron-adapt)",
     "is_bf16_supported": lambda *a, **k: True,
-    "memory_allocated": _zero,
-    "max_memory_allocated": _zero,
-    "memory_reserved": _zero,
-    "max_memory_reserved": _zero,
-    "reset_peak_memory_stats": _none,
-    "reset_max_memory_allocated": _none,
+    "memory_allocated": _returns(0),
+    "max_memory_allocated": _returns(0),
+    "memory_reserved": _returns(0),
+    "max_memory_reserved": _returns(0),
+    "reset_peak_memory_stats": _returns(None),
+    "reset_max_memory_allocated": _returns(None),
     "memory_stats": lambda *a, **k: {},
     "mem_get_info": lambda device=None: (_properties().total_memory, _properties().total_memory),
-    "empty_cache": _none,
-    "ipc_collect": _none,
+    "empty_cache": _returns(None),
+    "ipc_collect": _returns(None),
     "get_rng_state": lambda device="cuda": torch.get_rng_state(),
     "set_rng_state": lambda new_state, device="cuda": torch.set_rng_state(new_state),
     "get_rng_state_all": lambda: [torch.get_rng_state()],
@@ -163,7 +168,7 @@ CUDA_API = {
     "seed": lambda: torch.random.default_generator.seed(),
     "initial_seed": lambda: torch.random.default_generator.initial_seed(),
 }
-NVTX_API = {"range_push": _zero, "range_pop": _zero, "mark": _none}
+NVTX_API = {"range_push": _returns(0), "range_pop": _returns(0), "mark": _returns(None)}
 
 
 def _gloo(backend):

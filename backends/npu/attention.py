@@ -1,0 +1,127 @@
+"""Core attention through torch_npu.npu_fusion_attention (Ascend's flash attention).
+
+Signature relied on (Ascend Extension for PyTorch >= 6.0.0):
+
+    npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None,
+        atten_mask=None, scale=1., keep_prob=1., pre_tockens=2147483647, next_tockens=2147483647,
+        inner_precise=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
+        gen_mask_parallel=True, sync=False)
+      -> (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)
+
+The op contract hands us q/k/v as [b, h, s, d] views of Megatron's [s, b, h, d] tensors; we give
+the kernel layout "SBH" (Megatron's memory order, as MindSpeed does), so no copy is made for
+contiguous inputs. GQA: key/value carry hkv = hq / g heads in their H; head_num is hq.
+
+Masks (atten_mask: bool, True = masked; the kernel ignores sparse_mode and pre/next_tockens when
+atten_mask is None, so every sparse mode passes its mask):
+
+    causal, sq == sk     sparse_mode=2 (leftUpCausal) + the compressed 2048x2048 triu mask
+    causal, sq != sk     sparse_mode=3 (rightDownCausal: Megatron's bottom-right alignment)
+    window (l, r)        sparse_mode=4 (band from the bottom-right), pre_tockens=l, next_tockens=r
+    explicit mask        sparse_mode=0 with the full mask (combined with causal / window) as
+                         SS, 11SS, B1SS or BNSS -- the shapes the kernel accepts (not 1NSS)
+    none                 atten_mask=None
+
+keep_prob = 1 - dropout_p (the kernel draws its own dropout mask). scale defaults to 1/sqrt(d).
+Outside the kernel's documented limits (dtype fp16/bf16/fp32, Dq = Dk = Dv <= 768, Nq <= 256 and a
+multiple of Nkv, windows with an unbounded side) the reference runs, reported as a fallback.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatron_adapt import report
+from megatron_adapt.backends.cpu.softmax import build_mask
+
+from ._lib import torch_npu
+
+IMPL = "npu.torch_npu.npu_fusion_attention"
+FALLBACK = "npu.torch.sdpa (reference)"
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 768
+MAX_HEADS = 256
+COMPRESSED = 2048
+_compressed: dict[str, torch.Tensor] = {}
+
+
+def compressed_causal_mask(device) -> torch.Tensor:
+    """The 2048x2048 upper-triangular bool mask sparse modes 2, 3 and 4 take (one per device)."""
+    key = str(device)
+    mask = _compressed.get(key)
+    if mask is None:
+        mask = _compressed[key] = torch.triu(
+            torch.ones(COMPRESSED, COMPRESSED, dtype=torch.bool, device=device), diagonal=1)
+    return mask
+
+
+def unsupported(q, k, v, attn_mask, window_size) -> str | None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "q/k/v must be 4-D [b, h, s, d]"
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes q={q.dtype} k={k.dtype} v={v.dtype} (kernel: one of fp16/bf16/fp32)"
+    d = q.size(-1)
+    if k.size(-1) != d or v.size(-1) != d:
+        return "q/k/v head dims differ"
+    if not 1 <= d <= MAX_HEAD_DIM:
+        return f"head dim {d} > {MAX_HEAD_DIM}"
+    hq, hkv = q.size(1), k.size(1)
+    if hq > MAX_HEADS or hq % hkv or v.size(1) != hkv:
+        return f"heads q={hq} kv={hkv} (kernel: Nq <= {MAX_HEADS}, a multiple of Nkv)"
+    if window_size is not None and (window_size[0] < 0 or window_size[1] < 0):
+        return f"window {tuple(window_size)} with an unbounded side"
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        return f"mask dtype {attn_mask.dtype} (must be bool)"
+    return None
+
+
+def _reference(q, k, v, attn_mask, causal, scale, dropout_p, window_size):
+    sq, sk = q.size(-2), k.size(-2)
+    use_causal = causal and attn_mask is None and window_size is None and sq == sk
+    mask = None if use_causal else build_mask(sq, sk, causal, window_size, attn_mask, q.device)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=None if mask is None else ~mask, dropout_p=dropout_p,
+        is_causal=use_causal, scale=scale, enable_gqa=k.size(1) != q.size(1))
+
+
+def _kernel_mask(mask, b, n, sq, sk):
+    """A bool mask broadcastable to [b, n, sq, sk] in a shape the kernel takes: SS/11SS/B1SS/BNSS."""
+    if mask.dim() < 4:
+        mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    mb, mn = mask.size(0), mask.size(1)
+    if mn == 1:
+        shape = (mb, 1, sq, sk)           # 11SS or B1SS
+    else:
+        shape = (b, n, sq, sk)            # BNSS (1NSS is not accepted)
+    return mask.expand(shape).contiguous()
+
+
+def _sbh(t):
+    """[b, h, s, d] view -> [s, b, h*d] (free when t is a view of a contiguous [s, b, h, d])."""
+    return t.permute(2, 0, 1, 3).reshape(t.size(2), t.size(0), t.size(1) * t.size(3))
+
+
+def attention(q, k, v, attn_mask=None, causal=False, scale=None, dropout_p=0.0, window_size=None):
+    why = unsupported(q, k, v, attn_mask, window_size)
+    if why:
+        report.fell_back("attention", FALLBACK, why)
+        return _reference(q, k, v, attn_mask, causal, scale, dropout_p, window_size)
+    b, hq, sq, d = q.shape
+    sk = k.size(2)
+    pre = nxt = 2147483647
+    if attn_mask is not None:
+        mask = _kernel_mask(build_mask(sq, sk, causal, window_size, attn_mask, q.device), b, hq, sq, sk)
+        sparse_mode = 0
+    elif window_size is not None:
+        mask, sparse_mode = compressed_causal_mask(q.device), 4
+        pre, nxt = int(window_size[0]), int(window_size[1])
+    elif causal:
+        mask, sparse_mode = compressed_causal_mask(q.device), (2 if sq == sk else 3)
+    else:
+        mask, sparse_mode = None, 0
+    report.ran("attention", IMPL)
+    out = torch_npu().npu_fusion_attention(
+        _sbh(q), _sbh(k), _sbh(v), hq, "SBH", atten_mask=mask,
+        scale=1.0 / math.sqrt(d) if scale is None else float(scale), keep_prob=1.0 - float(dropout_p),
+        pre_tockens=pre, next_tockens=nxt, sparse_mode=sparse_mode)[0]
+    return out.view(sq, b, hq, d).permute(1, 2, 0, 3)

@@ -1,0 +1,85 @@
+"""Rotary position embedding through torch_npu.npu_rotary_mul.
+
+    npu_rotary_mul(input, r1, r2)                        torch_npu up to 2.5.x: rotate-half only
+    npu_rotary_mul(input, r1, r2, rotary_mode='half')    later releases add 'interleave'
+
+output = input * r1 + rotate(input) * r2. Megatron's t is [s, b, h, d] (the kernel's SBND layout)
+and freqs [s, 1, 1, r] gives r1 = cos, r2 = sin in S11D, accepted in both modes. Documented limits
+(Atlas A2/A3): 4-D input, D even and < 896; half mode B, N < 1000; interleave mode B*N < 1000;
+r1/r2 in [-1, 1] -- so mscale is applied to the output (the map is linear), never folded into cos
+and sin. Partial rotary (r < d) rotates the first r channels and concatenates the rest.
+Interleaved pairs on a torch_npu without rotary_mode, and shapes outside the limits, take the
+reference, reported as a fallback.
+"""
+import torch
+
+from megatron_adapt import report
+
+from ._lib import torch_npu
+
+IMPL = "npu.torch_npu.npu_rotary_mul"
+FALLBACK = "npu.torch (reference)"
+MAX_D, MAX_BN = 896, 1000
+_state = {"interleave": None}   # None: not probed yet; then True / False
+
+
+def _rotate_half(x, interleaved):
+    if not interleaved:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).view(x.shape)
+
+
+def _reference(t, freqs, interleaved, mscale):
+    rot = freqs.size(-1)
+    t_rot, t_pass = t[..., :rot], t[..., rot:]
+    cos = (torch.cos(freqs) * mscale).to(t.dtype)
+    sin = (torch.sin(freqs) * mscale).to(t.dtype)
+    out = t_rot * cos + _rotate_half(t_rot, interleaved) * sin
+    return torch.cat((out, t_pass), dim=-1) if t_pass.numel() else out
+
+
+def unsupported(t, freqs, interleaved) -> str | None:
+    if t.dim() != 4 or freqs.dim() != 4:
+        return "t and freqs must be 4-D ([s, b, h, d] and [s, 1, 1, r])"
+    r = freqs.size(-1)
+    if r > t.size(-1) or r % 2 or r >= MAX_D:
+        return f"rotary dim {r} (kernel: even, < {MAX_D}, <= head dim)"
+    if tuple(freqs.shape[1:3]) != (1, 1) or freqs.size(0) != t.size(0):
+        return f"freqs shape {tuple(freqs.shape)} is not S11D for t {tuple(t.shape)}"
+    b, n = t.size(1), t.size(2)
+    if interleaved:
+        if b * n >= MAX_BN:
+            return f"interleaved with B*N={b * n} >= {MAX_BN}"
+        if _state["interleave"] is False:
+            return "this torch_npu's npu_rotary_mul has no rotary_mode (interleaved pairs)"
+    elif b >= MAX_BN or n >= MAX_BN:
+        return f"B={b}, N={n} (kernel: each < {MAX_BN})"
+    return None
+
+
+def rope(t, freqs, interleaved=False, mscale=1.0):
+    why = unsupported(t, freqs, interleaved)
+    if why:
+        report.fell_back("rope", FALLBACK, why)
+        return _reference(t, freqs, interleaved, mscale)
+    r = freqs.size(-1)
+    t_rot = t if r == t.size(-1) else t[..., :r].contiguous()
+    cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
+    mul = torch_npu().npu_rotary_mul
+    if interleaved:
+        try:
+            out = mul(t_rot, cos, sin, rotary_mode="interleave")
+            _state["interleave"] = True
+        except TypeError:  # a torch_npu whose npu_rotary_mul predates rotary_mode
+            _state["interleave"] = False
+            report.fell_back("rope", FALLBACK, "this torch_npu's npu_rotary_mul has no rotary_mode "
+                             "(interleaved pairs)")
+            return _reference(t, freqs, interleaved, mscale)
+    else:
+        out = mul(t_rot, cos, sin)
+    report.ran("rope", IMPL + (".interleave" if interleaved else ""))
+    if mscale != 1.0:
+        out = out * mscale
+    return out if r == t.size(-1) else torch.cat((out, t[..., r:]), dim=-1)
