@@ -1,6 +1,36 @@
-"""The npu backend: Ascend NPUs through torch_npu ops and HCCL."""
+"""The npu backend: Ascend NPUs through torch_npu ops and HCCL.
+
+Every op of megatron_adapt.ops goes through the torch_npu op named in docs/npu-backend.md, or
+through torch math that torch_npu dispatches to NPU kernels (layer norm, cross entropy, foreach,
+fused AdamW). Shapes and dtypes outside a kernel's documented limits take the PyTorch reference,
+reported with report.fell_back. Verified against an emulation of the torch_npu op contract only
+(tests/npu/emulation): no Ascend NPU was available while this was written.
+
+Targets Ascend Extension for PyTorch 6.0.0 and later: torch_npu 2.1.0.post10+, 2.4.0.post2+,
+2.5.1 and 2.6.0 (see TARGET_TORCH_NPU).
+"""
 from megatron_adapt.backends import Backend
 from megatron_adapt.errors import BackendUnavailableError
+
+TARGET_TORCH_NPU = ("2.1.0.post10", "2.4.0.post2", "2.5.1", "2.6.0")
+
+OPS = {
+    "vocab_parallel_cross_entropy": ".cross_entropy:vocab_parallel_cross_entropy",
+    "rms_norm": ".norms:rms_norm",
+    "layer_norm": ".norms:layer_norm",
+    "scaled_masked_softmax": ".softmax:scaled_masked_softmax",
+    "attention": ".attention:attention",
+    "rope": ".rope:rope",
+    "swiglu": ".activations:swiglu",
+    "bias_swiglu": ".activations:bias_swiglu",
+    "bias_gelu": ".activations:bias_gelu",
+    "adam": ".optimizers:Adam",
+    "sgd": ".optimizers:SGD",
+    "multi_tensor_l2norm": ".multi_tensor:l2norm",
+    "multi_tensor_scale": ".multi_tensor:scale",
+    "rng_get_state": ".rng:get_state",
+    "rng_set_state": ".rng:set_state",
+}
 
 
 def check():
@@ -9,12 +39,20 @@ def check():
     except ImportError as exc:
         raise BackendUnavailableError(
             "MEGATRON_ADAPT_BACKEND=npu needs torch_npu (Ascend's PyTorch adapter, installed with "
-            f"the CANN toolkit): {exc}. Use MEGATRON_ADAPT_BACKEND=cpu or auto.") from None
+            f"the CANN toolkit; targeted: {', '.join(TARGET_TORCH_NPU)}): {exc}. "
+            "Use MEGATRON_ADAPT_BACKEND=cpu or auto.") from None
     import torch
 
     if not torch.npu.is_available():
-        raise BackendUnavailableError("MEGATRON_ADAPT_BACKEND=npu but torch_npu sees no NPU device.")
+        raise BackendUnavailableError("MEGATRON_ADAPT_BACKEND=npu but torch_npu sees no NPU device "
+                                      "(check the CANN driver and ASCEND_RT_VISIBLE_DEVICES).")
 
 
-BACKEND = Backend(name="npu", ops={}, package=__name__, check=check,
-                  describe=lambda: "torch_npu fused ops on Ascend NPUs, HCCL collectives")
+def _describe() -> str:
+    from ._lib import version
+
+    return f"torch_npu {version()} fused ops on Ascend NPUs, HCCL collectives"
+
+
+BACKEND = Backend(name="npu", ops=OPS, package=__name__, check=check, device_layer=".device",
+                  describe=_describe)
