@@ -1,4 +1,8 @@
-"""Adam/AdamW through PyTorch's fused CUDA implementation (torch.optim.AdamW(fused=True))."""
+"""Adam/AdamW and SGD through PyTorch's fused CUDA implementations (fused=True): one
+multi-tensor kernel per step for all parameters, no apex needed."""
+import torch
+
+from megatron_adapt import report
 from megatron_adapt.backends.cpu.optimizers import make_adam
 
 
@@ -6,3 +10,9 @@ def Adam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, ad
          weight_decay=0.0, amsgrad=False, **kwargs):
     return make_adam(params, lr, bias_correction, betas, eps, adam_w_mode, weight_decay, amsgrad,
                      impl_flags={"fused": True}, impl_name="cuda.torch.fused", **kwargs)
+
+
+def SGD(params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, **kwargs):
+    report.ran("sgd", "cuda.torch.fused.SGD")
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, dampening=dampening,
+                           weight_decay=weight_decay, nesterov=nesterov, fused=True, **kwargs)

@@ -1,0 +1,81 @@
+"""Core attention through torch's fused scaled_dot_product_attention, cuDNN first.
+
+SDPA is asked for cuDNN, then flash, then memory-efficient, then math (sdpa_kernel with
+set_priority): on Hopper cuDNN's fused attention is the fastest fwd+bwd kernel PyTorch ships.
+Causal without a mask goes as is_causal (no mask tensor). Sliding windows and padding /
+arbitrary masks become one bool mask (flash cannot take a mask: cuDNN or memory-efficient serve
+it). GQA goes as enable_gqa: k/v are never repeated. Which backend will serve a call is probed
+once per signature with torch.backends.cuda.can_use_* and reported; the math path (it
+materialises the scores) is reported as a fallback.
+"""
+import torch
+import torch.nn.functional as F
+
+from megatron_adapt import report
+from megatron_adapt.backends.cpu.softmax import build_mask
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+except ImportError:  # torch < 2.3
+    sdpa_kernel = None
+
+_paths: dict = {}
+
+
+def _context():
+    if sdpa_kernel is None:
+        import contextlib
+        return contextlib.nullcontext()
+    try:
+        return sdpa_kernel(PRIORITY, set_priority=True)
+    except TypeError:  # torch without set_priority: default order
+        return sdpa_kernel(PRIORITY)
+
+
+def expected_path(q, k, v, mask, dropout_p, causal, gqa):
+    """Which SDPA backend should serve this call (probed once per signature)."""
+    if q.device.type != "cuda":
+        return "math"
+    key = (q.shape, k.shape, q.dtype, None if mask is None else tuple(mask.shape), dropout_p > 0,
+           causal, gqa, q.stride(), k.stride(), q.requires_grad)
+    path = _paths.get(key)
+    if path is None:
+        path = "unknown"
+        try:
+            args = [q, k, v, mask, dropout_p, causal]
+            try:
+                params = torch.backends.cuda.SDPAParams(*args, gqa)
+            except TypeError:
+                params = torch.backends.cuda.SDPAParams(*args)
+            checks = [("cudnn", getattr(torch.backends.cuda, "can_use_cudnn_attention", None)),
+                      ("flash", torch.backends.cuda.can_use_flash_attention),
+                      ("efficient", torch.backends.cuda.can_use_efficient_attention)]
+            path = "math"
+            for name, fn in checks:
+                if fn is not None and fn(params, False):
+                    path = name
+                    break
+        except Exception:  # probing API differs across torch versions: SDPA still decides
+            pass
+        _paths[key] = path
+    return path
+
+
+def attention(q, k, v, attn_mask=None, causal=False, scale=None, dropout_p=0.0, window_size=None):
+    sq, sk = q.size(-2), k.size(-2)
+    use_causal = causal and attn_mask is None and window_size is None and sq == sk
+    mask = None if use_causal else build_mask(sq, sk, causal, window_size, attn_mask, q.device)
+    keep = None if mask is None else ~mask
+    gqa = k.size(1) != q.size(1)
+    path = expected_path(q, k, v, keep, dropout_p, use_causal, gqa)
+    impl = f"cuda.sdpa.{path}"
+    if path == "math" and q.device.type == "cuda":
+        report.fell_back("attention", impl, "no fused SDPA backend takes these inputs "
+                         f"(dtype {q.dtype}, head dim {q.size(-1)}, mask {mask is not None})")
+    else:
+        report.ran("attention", impl)
+    with _context():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p,
+                                              is_causal=use_causal, scale=scale, enable_gqa=gqa)
