@@ -8,7 +8,10 @@ nccl process groups and CUDA streams on its path. Rather than edit each site, th
   memory statistics, RNG, nvtx) with CPU answers;
 * maps nccl process groups to gloo (`init_process_group`, `new_group`) and drops `device_id`s;
 * pushes one TorchFunctionMode that rewrites any CUDA device argument to the CPU, makes
-  `Tensor.cuda()` / `pin_memory()` identities and `Tensor.type()` report `torch.cuda.*` names.
+  `Tensor.cuda()` / `pin_memory()` identities and `Tensor.type()` report `torch.cuda.*` names;
+* keeps oneDNN off AMX where the CPU advertises AMX but executing it faults (some VMs, e.g.
+  Firecracker guests, list amx_tile/amx_bf16 yet raise SIGILL on `tilezero`): every bf16 matmul
+  would kill the process. A forked 20 ms probe decides; `ONEDNN_MAX_CPU_ISA` set by the user wins.
 
 `install()` saves every original; `uninstall()` restores them and pops the mode. Only the cpu
 backend installs it; it never changes behaviour on a machine that has CUDA.
@@ -202,6 +205,63 @@ def _wrap_barrier(original):
     return barrier
 
 
+ONEDNN_ISA_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+ONEDNN_SAFE_ISA = "AVX512_CORE_FP16"  # the highest oneDNN ISA below AMX; a cap, never a floor
+onednn_isa_note: str | None = None  # what _guard_amx decided, for the report / tests
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _amx_faults() -> bool:
+    """Run a bf16 and an fp16 matmul in a forked child: True if it dies of SIGILL.
+
+    oneDNN reads its ISA cap when it first dispatches a kernel, so the parent, which has not run
+    one yet, can still be capped after the probe.
+    """
+    if not hasattr(os, "fork"):
+        return False
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 0
+        try:
+            for dtype in (torch.bfloat16, torch.float16):
+                x = torch.ones(64, 64, dtype=dtype)
+                torch.matmul(x, x).sum().item()
+        except BaseException:
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == getattr(__import__("signal"), "SIGILL", 4)
+
+
+def _guard_amx() -> None:
+    global onednn_isa_note
+    if any(v in os.environ for v in ONEDNN_ISA_VARS):
+        onednn_isa_note = f"user cap ONEDNN_MAX_CPU_ISA={os.environ.get(ONEDNN_ISA_VARS[0])}"
+        return
+    if not {"amx_tile", "amx_bf16"} & _cpu_flags() or os.environ.get("MEGATRON_ADAPT_AMX_PROBE") == "0":
+        return
+    if _amx_faults():
+        os.environ[ONEDNN_ISA_VARS[0]] = ONEDNN_SAFE_ISA
+        _saved.append((os.environ, ONEDNN_ISA_VARS[0], None, False))
+        onednn_isa_note = (f"AMX faults on this machine (SIGILL): oneDNN capped at {ONEDNN_SAFE_ISA}")
+        try:
+            from megatron_adapt import report
+
+            report.ran("onednn_cpu_isa", f"{ONEDNN_SAFE_ISA} (AMX faults here)")
+        except Exception:  # the report is informative only
+            pass
+
+
 def _set(owner, name, value):
     had = name in vars(owner)
     _saved.append((owner, name, getattr(owner, name, None), had))
@@ -229,6 +289,7 @@ def install() -> None:
     if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
         _saved.append((os.environ, "CUDA_DEVICE_MAX_CONNECTIONS", None, False))
+    _guard_amx()
     _mode = CudaOnCpuMode()
     _mode.__enter__()
 
