@@ -12,7 +12,10 @@ def l2norm(tensors):
     report.ran("multi_tensor_l2norm", "npu.torch._foreach_norm")
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm(tensors, 2.0)
+    try:  # accumulate in fp32 as apex's multi_tensor_l2norm does (bf16 norms lose 3 digits)
+        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+    except TypeError:  # torch < 2.5 (torch_npu 2.1 / 2.4): no dtype argument
+        norms = torch._foreach_norm([t.float() for t in tensors], 2.0)
     return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
 
 

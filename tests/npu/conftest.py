@@ -1,0 +1,54 @@
+"""Fixtures for the npu backend's tests: the torch_npu EMULATION goes on sys.path only while a
+test module that asks for it runs, and everything it changed is undone afterwards."""
+import os
+import sys
+
+import pytest
+
+os.environ.setdefault("MEGATRON_ADAPT_AUTO", "0")
+
+EMULATION_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "emulation")
+
+
+def _drop_emulation():
+    import torch
+
+    for name in [n for n in sys.modules if n == "torch_npu" or n.startswith("torch_npu.")]:
+        del sys.modules[name]
+    if "npu" in vars(torch):
+        delattr(torch, "npu")
+    while EMULATION_DIR in sys.path:
+        sys.path.remove(EMULATION_DIR)
+    from megatron_adapt.backends.npu import _lib
+
+    _lib._reset()
+
+
+@pytest.fixture(scope="module")
+def torch_npu():
+    """The emulated torch_npu module (see emulation/torch_npu/__init__.py)."""
+    import megatron_adapt
+    from megatron_adapt.backends.npu import _lib, device
+
+    sys.path.insert(0, EMULATION_DIR)
+    _lib._reset()
+    import torch_npu as module
+
+    assert getattr(module, "EMULATION", False), f"imported a real torch_npu from {module.__file__}?"
+    try:
+        yield module
+    finally:
+        megatron_adapt.revert()
+        device.uninstall()
+        _drop_emulation()
+
+
+@pytest.fixture
+def report():
+    from megatron_adapt import report as rep
+
+    rep.reset_op_counts()
+    rep.set_context(strict=False)
+    yield rep
+    rep.reset_op_counts()
+    rep.set_context(strict=False)

@@ -1,0 +1,337 @@
+"""EMULATION of the torch_npu ops megatron-adapt's npu backend calls: contract checks + CPU math.
+
+Each function has the real op's name, parameter names, defaults and return structure, and raises
+(EmulatedNPUError, a RuntimeError like torch_npu's own op checks) on inputs the documentation
+rules out. Math is done in fp32 and cast to the input dtype; autograd flows through it, standing
+in for the real ops' registered backward kernels. Sources: Ascend/op-plugin docs/context/
+torch_npu-<op>.md and the Ascend Extension for PyTorch API reference (6.0.0 - 7.x).
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
+COMPRESSED = 2048
+INT_MAX = 2147483647
+_seed_counter = itertools.count()
+
+
+class EmulatedNPUError(RuntimeError):
+    """An input the real torch_npu op rejects (or that the emulation does not model)."""
+
+
+def _check(cond, msg):
+    if not cond:
+        raise EmulatedNPUError(msg)
+
+
+def _check_tensor(name, t, dtypes=FLOATS):
+    _check(isinstance(t, torch.Tensor), f"{name} must be a Tensor, got {type(t).__name__}")
+    _check(t.dtype in dtypes, f"{name} dtype {t.dtype} not supported (expected one of {dtypes})")
+
+
+# --------------------------------------------------------------------------- npu_rms_norm
+def npu_rms_norm(self, gamma, epsilon=1e-06):
+    """npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor y, Tensor rstd).
+
+    self: fp16/bf16/fp32, 1-8 dims; gamma: same dtype, the trailing dims of self.
+    rstd = 1/sqrt(mean(x^2) + eps) over gamma's dims, fp32, keepdim.
+    """
+    _check_tensor("self", self)
+    _check_tensor("gamma", gamma)
+    _check(gamma.dtype == self.dtype, f"gamma dtype {gamma.dtype} must equal self dtype {self.dtype}")
+    _check(1 <= self.dim() <= 8, f"self must have 1-8 dims, got {self.dim()}")
+    _check(1 <= gamma.dim() <= self.dim() and tuple(gamma.shape) == tuple(self.shape[self.dim() - gamma.dim():]),
+           f"gamma shape {tuple(gamma.shape)} must be the trailing dims of self {tuple(self.shape)}")
+    _check(isinstance(epsilon, float), "epsilon must be a float")
+    dims = tuple(range(self.dim() - gamma.dim(), self.dim()))
+    x = self.float()
+    rstd = torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + epsilon)
+    y = (x * rstd * gamma.float()).to(self.dtype)
+    return y, rstd.detach()
+
+
+# --------------------------------------------------------------------------- npu_swiglu
+def npu_swiglu(input, dim=-1):  # noqa: A002 (the real parameter name)
+    """npu_swiglu(Tensor input, int dim=-1) -> Tensor: silu(A) * B, A|B the halves along dim.
+
+    1-8 dims, fp16/bf16/fp32, contiguous, non-empty, size along dim even.
+    """
+    _check_tensor("input", input)
+    _check(1 <= input.dim() <= 8, f"input must have 1-8 dims, got {input.dim()}")
+    _check(isinstance(dim, int) and -input.dim() <= dim < input.dim(), f"dim {dim} out of range")
+    _check(input.numel() > 0, "empty input is not supported")
+    _check(input.is_contiguous(), "non-contiguous input is not supported")
+    _check(input.size(dim) % 2 == 0, f"size {input.size(dim)} along dim {dim} must be even")
+    a, b = torch.chunk(input.float(), 2, dim=dim)
+    return (F.silu(a) * b).to(input.dtype)
+
+
+# --------------------------------------------------------------------------- npu_scaled_masked_softmax
+def npu_scaled_masked_softmax(x, mask, scale=1.0, fixed_triu_mask=False):
+    """npu_scaled_masked_softmax(x, mask, scale=1.0, fixed_triu_mask=False) -> Tensor.
+
+    x: fp16/bf16/fp32, NCHW with H, W in [32, 4096] and multiples of 32. mask: bool, broadcastable
+    to x, True = masked. fixed_triu_mask is documented as reserved: only False is supported.
+    Masked scores are filled with -10000 after scaling (Megatron's convention; the real kernel's
+    fill value for fully masked rows is not documented -- tests avoid such rows).
+    """
+    _check_tensor("x", x)
+    _check(x.dim() == 4, f"x must be 4-D (NCHW), got {x.dim()}-D")
+    for name, n in (("H", x.size(2)), ("W", x.size(3))):
+        _check(32 <= n <= 4096 and n % 32 == 0, f"{name}={n}: must be in [32, 4096] and divisible by 32")
+    _check(isinstance(mask, torch.Tensor) and mask.dtype == torch.bool,
+           f"mask must be a bool Tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+    try:
+        torch.broadcast_shapes(mask.shape, x.shape)
+        ok = torch.broadcast_shapes(mask.shape, x.shape) == x.shape
+    except RuntimeError:
+        ok = False
+    _check(ok, f"mask shape {tuple(mask.shape)} cannot be broadcast to x {tuple(x.shape)}")
+    _check(fixed_triu_mask is False, "fixed_triu_mask is reserved: only False is supported")
+    s = x.float() * float(scale)
+    s = s.masked_fill(mask, -10000.0)
+    return torch.softmax(s, dim=-1).to(x.dtype)
+
+
+# --------------------------------------------------------------------------- npu_rotary_mul
+def _rotate(x, mode):
+    if mode == "half":
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).reshape(x.shape)
+
+
+def _rotary_shapes(shape, mode):
+    a, b, c, d = shape
+    if mode == "interleave":      # 11SD (BNSD), 1S1D (BSND), S11D (SBND)
+        return {(1, 1, c, d), (1, b, 1, d), (a, 1, 1, d)}
+    return {(1, 1, c, d), (a, 1, c, d), (a, b, c, d),      # BNSD: 11SD, B1SD, BNSD
+            (1, b, 1, d), (a, b, 1, d),                    # BSND: 1S1D, BS1D, BSND
+            (a, 1, 1, d)}                                  # SBND: S11D, SB1D, SBND
+
+
+def npu_rotary_mul(input, r1, r2, rotary_mode="half"):  # noqa: A002
+    """npu_rotary_mul(input, r1, r2, rotary_mode='half') -> input * r1 + rotate(input) * r2.
+
+    All 4-D, one dtype (fp16/bf16/fp32); D even and < 896; r1/r2 in one of the layouts the docs
+    list for the input's layout (BNSD/BSND/SBND; interleave mode only the broadcast 11SD/1S1D/S11D).
+    """
+    _check(rotary_mode in ("half", "interleave"), f"rotary_mode must be 'half' or 'interleave', got {rotary_mode!r}")
+    for name, t in (("input", input), ("r1", r1), ("r2", r2)):
+        _check_tensor(name, t)
+        _check(t.dim() == 4, f"{name} must be 4-D, got {t.dim()}-D")
+    _check(r1.dtype == input.dtype and r2.dtype == input.dtype, "input, r1 and r2 must share one dtype")
+    d = input.size(-1)
+    _check(d % 2 == 0 and d < 896, f"D={d}: must be even and < 896")
+    _check(r1.shape == r2.shape, f"r1 {tuple(r1.shape)} and r2 {tuple(r2.shape)} differ")
+    _check(tuple(r1.shape) in _rotary_shapes(tuple(input.shape), rotary_mode),
+           f"r1/r2 shape {tuple(r1.shape)} not supported for input {tuple(input.shape)} in {rotary_mode} mode")
+    x = input.float()
+    return (x * r1.float() + _rotate(x, rotary_mode) * r2.float()).to(input.dtype)
+
+
+def npu_rotary_mul_legacy(input, r1, r2):  # noqa: A002
+    """npu_rotary_mul as torch_npu releases before rotary_mode had it: rotate-half only.
+
+    Tests swap it in for torch_npu.npu_rotary_mul to emulate such a release.
+    """
+    return npu_rotary_mul(input, r1, r2)
+
+
+# --------------------------------------------------------------------------- npu_fusion_attention
+def _to_bnsd(t, layout, n):
+    if layout == "BNSD":
+        return t
+    if layout == "BSND":
+        return t.permute(0, 2, 1, 3)
+    if layout == "BSH":
+        b, s, h = t.shape
+        return t.view(b, s, n, h // n).permute(0, 2, 1, 3)
+    s, b, h = t.shape  # SBH
+    return t.view(s, b, n, h // n).permute(1, 2, 0, 3)
+
+
+def _from_bnsd(t, layout):
+    b, n, s, d = t.shape
+    if layout == "BNSD":
+        return t
+    if layout == "BSND":
+        return t.permute(0, 2, 1, 3)
+    if layout == "BSH":
+        return t.permute(0, 2, 1, 3).reshape(b, s, n * d)
+    return t.permute(2, 0, 1, 3).reshape(s, b, n * d)  # SBH
+
+
+def _sparse_mask(sq, sk, sparse_mode, pre, nxt, device):
+    """The mask (True = masked) a sparse mode generates, on top of / instead of atten_mask."""
+    i = torch.arange(sq, device=device).unsqueeze(1)
+    j = torch.arange(sk, device=device).unsqueeze(0)
+    if sparse_mode == 0:      # band around the top-left diagonal
+        return (j - i > nxt) | (i - j > pre)
+    if sparse_mode == 1:      # allMask: atten_mask only
+        return torch.zeros(sq, sk, dtype=torch.bool, device=device)
+    if sparse_mode == 2:      # leftUpCausal
+        return j > i
+    if sparse_mode == 3:      # rightDownCausal
+        return j > i + (sk - sq)
+    # 4: band from the bottom-right diagonal
+    off = sk - sq
+    return (j > i + off + nxt) | (j < i + off - pre)
+
+
+def _attend(q, k, v, masked, scale, keep_prob):
+    """q [B, Nq, Sq, D], k/v [B, Nkv, Sk, D], masked bool broadcastable to [B, Nq, Sq, Sk] or None."""
+    group = q.size(1) // k.size(1)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if masked is not None:
+        s = s.masked_fill(masked, float("-inf"))
+    smax = s.amax(dim=-1, keepdim=True)
+    dead = torch.isinf(smax) & (smax < 0)            # a fully masked row: output 0
+    smax_safe = torch.where(dead, torch.zeros_like(smax), smax)
+    e = torch.exp(s - smax_safe)
+    ssum = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(dead, torch.ones_like(ssum), ssum)
+    if keep_prob < 1.0:
+        p = F.dropout(p, p=1.0 - keep_prob, training=True)
+    out = torch.matmul(p, v.float()).to(q.dtype)
+    return out, smax_safe.detach(), ssum.detach()
+
+
+def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None,
+                         atten_mask=None, scale=1., keep_prob=1., pre_tockens=2147483647,
+                         next_tockens=2147483647, inner_precise=0, prefix=None, actual_seq_qlen=None,
+                         actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False):
+    """npu_fusion_attention(...) -> (attention_out, softmax_max, softmax_sum, softmax_out, seed,
+    offset, numels).
+
+    Modelled: layouts BSH/SBH/BSND/BNSD/TND; GQA (Nq a multiple of Nkv, Nq <= 256); D <= 768,
+    Dq = Dk; sparse_mode 0 (atten_mask + pre/next band from the top-left), 1 (atten_mask only),
+    2 (leftUpCausal), 3 (rightDownCausal), 4 (band from the bottom-right, pre/next), the last three
+    taking the compressed 2048x2048 triu mask; atten_mask None = full attention, whatever the
+    sparse mode; keep_prob dropout (torch's RNG, not the kernel's Philox stream).
+    Not modelled (error): pse, prefix, sparse modes 5-8. padding_mask is unsupported by the op.
+    softmax_max / softmax_sum are [B, N, Sq, 8] fp32 (the row max / sum broadcast over 8, as the
+    kernel stores them); softmax_out is an empty reserved tensor.
+    """
+    _check(isinstance(input_layout, str) and input_layout in LAYOUTS,
+           f"input_layout {input_layout!r} not supported (expected one of {LAYOUTS})")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _check_tensor(name, t)
+    _check(key.dtype == query.dtype and value.dtype == query.dtype, "query, key and value must share one dtype")
+    _check(isinstance(head_num, int) and not isinstance(head_num, bool) and head_num > 0,
+           f"head_num must be a positive int, got {head_num!r}")
+    _check(padding_mask is None, "padding_mask is not supported")
+    if pse is not None or prefix is not None:
+        raise EmulatedNPUError("pse / prefix are not modelled by the emulation")
+    _check(isinstance(sparse_mode, int) and 0 <= sparse_mode <= 8, f"sparse_mode {sparse_mode!r} out of range 0-8")
+    if sparse_mode >= 5:
+        raise EmulatedNPUError(f"sparse_mode {sparse_mode} (prefix / varlen split) is not modelled by the emulation")
+    _check(isinstance(keep_prob, (int, float)) and 0.0 < keep_prob <= 1.0, f"keep_prob {keep_prob!r} not in (0, 1]")
+    _check(inner_precise in (0, 1, 2), f"inner_precise {inner_precise!r} not in (0, 1, 2)")
+    _check(isinstance(pre_tockens, int) and isinstance(next_tockens, int), "pre_tockens / next_tockens must be ints")
+    if sparse_mode in (0, 4):
+        if next_tockens < 0:
+            _check(pre_tockens >= -next_tockens, "next_tockens < 0 needs pre_tockens >= |next_tockens|")
+        if pre_tockens < 0:
+            _check(next_tockens >= -pre_tockens, "pre_tockens < 0 needs next_tockens >= |pre_tockens|")
+    _check(key.shape == value.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} must have one shape")
+    ndim = 3 if input_layout in ("BSH", "SBH", "TND") else 4
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _check(t.dim() == ndim, f"{name} must be {ndim}-D for layout {input_layout}, got {t.dim()}-D")
+
+    if input_layout in ("BSH", "SBH"):
+        _check(query.size(-1) % head_num == 0, f"H={query.size(-1)} not divisible by head_num={head_num}")
+        d = query.size(-1) // head_num
+        _check(key.size(-1) % d == 0, f"key H={key.size(-1)} not a multiple of D={d}")
+        nq, nkv = head_num, key.size(-1) // d
+        bdim = 0 if input_layout == "BSH" else 1
+        _check(key.size(bdim) == query.size(bdim), "batch sizes of query and key differ")
+    else:
+        ndim_n = {"BSND": 2, "BNSD": 1, "TND": 1}[input_layout]
+        nq, nkv, d = query.size(ndim_n), key.size(ndim_n), query.size(-1)
+        _check(nq == head_num, f"head_num {head_num} != query heads {nq}")
+        _check(key.size(-1) == d, f"Dq={d} != Dk={key.size(-1)}")
+        if input_layout != "TND":
+            _check(key.size(0) == query.size(0), "batch sizes of query and key differ")
+    _check(1 <= d <= 768, f"D={d} out of range 1-768")
+    _check(nq <= 256 and nq % nkv == 0, f"Nq={nq}, Nkv={nkv}: Nq must be <= 256 and a multiple of Nkv")
+
+    if atten_mask is not None:
+        _check(isinstance(atten_mask, torch.Tensor) and atten_mask.dtype in (torch.bool, torch.uint8),
+               f"atten_mask must be bool or uint8, got {getattr(atten_mask, 'dtype', type(atten_mask).__name__)}")
+        if sparse_mode in (2, 3, 4):
+            _check(tuple(atten_mask.shape) == (COMPRESSED, COMPRESSED),
+                   f"sparse_mode {sparse_mode} takes the compressed {COMPRESSED}x{COMPRESSED} mask, "
+                   f"got {tuple(atten_mask.shape)}")
+            triu = torch.triu(torch.ones(COMPRESSED, COMPRESSED, dtype=torch.bool, device=atten_mask.device), 1)
+            _check(torch.equal(atten_mask.bool(), triu),
+                   f"sparse_mode {sparse_mode}: atten_mask must be the 2048x2048 upper-triangular (diagonal=1) mask")
+
+    if input_layout == "TND":
+        return _tnd(query, key, value, nq, atten_mask, scale, keep_prob, pre_tockens, next_tockens,
+                    actual_seq_qlen, actual_seq_kvlen, sparse_mode)
+
+    q, k, v = _to_bnsd(query, input_layout, nq), _to_bnsd(key, input_layout, nkv), _to_bnsd(value, input_layout, nkv)
+    b, _, sq, _ = q.shape
+    sk = k.size(2)
+    masked = None
+    if atten_mask is not None:
+        if sparse_mode in (0, 1):
+            m = atten_mask.bool()
+            shapes = {(sq, sk), (1, 1, sq, sk), (b, 1, sq, sk), (b, nq, sq, sk)}
+            _check(tuple(m.shape) in shapes,
+                   f"atten_mask shape {tuple(m.shape)} not one of SS/11SS/B1SS/BNSS for B={b} N={nq} Sq={sq} Skv={sk}")
+            masked = m | _sparse_mask(sq, sk, sparse_mode, pre_tockens, next_tockens, q.device)
+        else:
+            masked = _sparse_mask(sq, sk, sparse_mode, pre_tockens, next_tockens, q.device)
+    out, smax, ssum = _attend(q, k, v, masked, float(scale), float(keep_prob))
+    return _outputs(_from_bnsd(out, input_layout), smax, ssum, keep_prob, b * nq * sq * sk)
+
+
+def _outputs(out, smax, ssum, keep_prob, numel):
+    seed = torch.initial_seed() & 0xFFFFFFFF
+    offset = next(_seed_counter)
+    empty = torch.empty(0, dtype=out.dtype)
+    return (out, smax.expand(*smax.shape[:-1], 8).contiguous(), ssum.expand(*ssum.shape[:-1], 8).contiguous(),
+            empty, seed, offset, numel if keep_prob < 1.0 else 0)
+
+
+def _tnd(query, key, value, n, atten_mask, scale, keep_prob, pre, nxt, qlen, kvlen, sparse_mode):
+    _check(qlen is not None and kvlen is not None, "layout TND needs actual_seq_qlen and actual_seq_kvlen")
+    qlen, kvlen = [int(x) for x in qlen], [int(x) for x in kvlen]
+    _check(len(qlen) == len(kvlen) and 1 <= len(qlen) <= 2048, "actual_seq_qlen / actual_seq_kvlen lengths differ or exceed 2K")
+    _check(all(a <= b for a, b in zip(qlen, qlen[1:])) and all(a <= b for a, b in zip(kvlen, kvlen[1:])),
+           "actual_seq_qlen / actual_seq_kvlen must be cumulative (non-decreasing)")
+    _check(qlen[-1] <= query.size(0) and kvlen[-1] <= key.size(0), "cumulative lengths exceed T")
+    if atten_mask is not None and sparse_mode in (0, 1):
+        _check(atten_mask.dim() == 2, "layout TND takes only an SS atten_mask")
+    outs, maxes, sums = [], [], []
+    q0 = k0 = 0
+    for q1, k1 in zip(qlen, kvlen):
+        q = query[q0:q1].permute(1, 0, 2).unsqueeze(0)
+        k = key[k0:k1].permute(1, 0, 2).unsqueeze(0)
+        v = value[k0:k1].permute(1, 0, 2).unsqueeze(0)
+        sq, sk = q1 - q0, k1 - k0
+        masked = None
+        if atten_mask is not None:
+            masked = _sparse_mask(sq, sk, sparse_mode, pre, nxt, q.device)
+            if sparse_mode in (0, 1):
+                masked = masked | atten_mask.bool()[:sq, :sk]
+        o, m, s = _attend(q, k, v, masked, float(scale), float(keep_prob))
+        outs.append(o[0].permute(1, 0, 2))
+        maxes.append(m[0].permute(1, 0, 2))
+        sums.append(s[0].permute(1, 0, 2))
+        q0, k0 = q1, k1
+    out = torch.cat(outs) if outs else query.new_zeros(0)
+    if q0 < query.size(0):  # tokens after the last sequence take no part
+        out = torch.cat([out, query.new_zeros(query.size(0) - q0, n, value.size(-1))])
+    smax, ssum = torch.cat(maxes), torch.cat(sums)
+    return _outputs(out, smax, ssum, keep_prob, 0)

@@ -1,0 +1,1 @@
+"""EMULATION of torch_npu.contrib (only transfer_to_npu)."""
