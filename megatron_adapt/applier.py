@@ -212,8 +212,7 @@ def apply_spec(spec: PatchSpec, backend, config, version) -> None:
     _installed[spec.target] = inst
     _ours[id(new)] = new
     rec.sites = [spec.target]
-    if not isinstance(owner, type) and (inspect.isfunction(original) or inspect.isclass(original)
-                                        or isinstance(original, wrapt.ObjectProxy)):
+    if not isinstance(owner, type) and callable(original):  # values (flags) have no identity to chase
         for name, mod in _alias_modules(original):
             d = getattr(mod, "__dict__", None)
             if not isinstance(d, dict) or mod is owner:

@@ -1,0 +1,255 @@
+"""Reach every patch through Megatron's real consumer, in a fresh interpreter; print JSON findings.
+
+Each check calls the Megatron object that uses the patched symbol (GPTModel's loss, the local
+layer spec's norms and attention, MLP, the optimizer factory, grad clipping, the RNG tracker),
+compares with Megatron's original implementation where one runs on CPU, and records which op
+implementation counted the call.
+"""
+import json
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+os.environ["MEGATRON_ADAPT_AUTO"] = "0"
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PROBE_PORT", "29517"),
+                  RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+
+import torch  # noqa: E402
+
+import megatron_adapt  # noqa: E402
+from megatron_adapt import applier, report  # noqa: E402
+
+megatron_adapt.apply("cpu", quiet=True)
+
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+
+dist.init_process_group("nccl")  # the device layer maps it to gloo
+parallel_state.initialize_model_parallel(1, 1)
+torch.manual_seed(0)
+model_parallel_cuda_manual_seed(0)
+results = {}
+
+
+def original(target):
+    return applier.installed()[target].original
+
+
+def counted(op):
+    return sum(report.op_counts().get(op, {}).values())
+
+
+def close(a, b, tol=1e-5):
+    return bool(torch.allclose(a.float(), b.float(), atol=tol, rtol=tol))
+
+
+def make_model(**overrides):
+    kw = dict(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+              use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+              persist_layer_norm=True, masked_softmax_fusion=True)
+    pos = overrides.pop("position_embedding_type", "learned_absolute")
+    kw.update(overrides)
+    config = TransformerConfig(**kw)
+    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    return GPTModel(config, spec, vocab_size=64, max_sequence_length=16, position_embedding_type=pos), config
+
+
+def check(name):
+    def deco(fn):
+        try:
+            results[name] = fn()
+        except Exception as exc:  # the test reports the failure with its message
+            import traceback
+            results[name] = {"error": f"{exc!r}\n{traceback.format_exc()}"}
+        return fn
+    return deco
+
+
+@check("cross_entropy")
+def _():
+    model, config = make_model()
+    logits = torch.randn(8, 2, 64)
+    labels = torch.randint(0, 64, (2, 8))
+    before = counted("vocab_parallel_cross_entropy")
+    unfused = model.compute_language_model_loss(labels, logits.clone().requires_grad_())
+    config.cross_entropy_loss_fusion, config.cross_entropy_fusion_impl = True, "native"
+    fused = model.compute_language_model_loss(labels, logits.clone())
+    ref = original("megatron.core.tensor_parallel.cross_entropy:vocab_parallel_cross_entropy")(
+        logits.clone(), labels.transpose(0, 1).contiguous()).transpose(0, 1)
+    return {"calls": counted("vocab_parallel_cross_entropy") - before,
+            "matches_megatron": close(unfused, ref) and close(fused, ref)}
+
+
+@check("norms")
+def _():
+    out = {}
+    for norm in ("LayerNorm", "RMSNorm"):
+        model, _ = make_model(normalization=norm)
+        layer = model.decoder.layers[0]
+        op = "layer_norm" if norm == "LayerNorm" else "rms_norm"
+        before = counted(op)
+        x = torch.randn(4, 2, 32)
+        y = layer.input_layernorm(x)
+        ref = (torch.nn.LayerNorm(32, eps=1e-5) if norm == "LayerNorm" else torch.nn.RMSNorm(32, eps=1e-5))(x)
+        out[norm] = {"class": type(layer.input_layernorm).__name__, "calls": counted(op) - before,
+                     "final_class": type(model.decoder.final_layernorm).__name__, "matches": close(y, ref)}
+    model, _ = make_model(layernorm_zero_centered_gamma=True, sequence_parallel=False)
+    ln = model.decoder.layers[0].input_layernorm
+    out["zero_centered_gamma"] = bool((ln.weight == 0).all()) and close(ln(torch.ones(2, 32) * 3), torch.zeros(2, 32), 1e-3)
+    return out
+
+
+@check("softmax")
+def _():
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
+
+    out = {}
+    for mask_type in (AttnMaskType.causal, AttnMaskType.padding):
+        sm = FusedScaleMaskSoftmax(False, True, mask_type, True, attention_mask_func, True, 2.0)
+        x = torch.randn(2, 4, 32, 32).bfloat16()
+        mask = None if mask_type == AttnMaskType.causal else torch.rand(2, 1, 32, 32) > 0.7
+        before = counted("scaled_masked_softmax")
+        y = sm(x, mask)
+        ref = original("megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.forward")
+        # Megatron's own unfused path (its fused path needs the CUDA extension)
+        sm.scaled_masked_softmax_fusion = False
+        y_ref = ref(sm, x, mask)
+        out[mask_type.name] = {"calls": counted("scaled_masked_softmax") - before, "matches": close(y, y_ref, 1e-2)}
+    return out
+
+
+@check("attention")
+def _():
+    out = {}
+    for groups in (4, 2):
+        model, config = make_model(num_query_groups=groups)
+        core = model.decoder.layers[0].self_attention.core_attention
+        q = torch.randn(16, 2, 4, 8)
+        k = torch.randn(16, 2, groups, 8)
+        v = torch.randn(16, 2, groups, 8)
+        before = counted("attention")
+        y = core(q, k, v, None)
+        y_ref = original("megatron.core.transformer.dot_product_attention:DotProductAttention.forward")(core, q, k, v, None)
+        mask = torch.rand(2, 1, 16, 16) > 0.8
+        mask[..., 0] = False
+        y2 = core(q, k, v, mask, attn_mask_type=__import__("megatron.core.transformer.enums", fromlist=["x"]).AttnMaskType.padding)
+        y2_ref = original("megatron.core.transformer.dot_product_attention:DotProductAttention.forward")(
+            core, q, k, v, mask, __import__("megatron.core.transformer.enums", fromlist=["x"]).AttnMaskType.padding)
+        out[f"groups{groups}"] = {"calls": counted("attention") - before,
+                                  "matches": close(y, y_ref, 1e-4) and close(y2, y2_ref, 1e-4)}
+    return out
+
+
+@check("rope")
+def _():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    model, config = make_model(position_embedding_type="rope", apply_rope_fusion=True)
+    before = counted("rope")
+    tokens = torch.randint(0, 64, (2, 16))
+    pos = torch.arange(16).unsqueeze(0).expand(2, -1)
+    loss = model(tokens, pos, None, labels=tokens)
+    t = torch.randn(16, 2, 4, 8)
+    freqs = torch.randn(16, 1, 1, 8)
+    ref = original("megatron.core.models.common.embeddings.rope_utils:_apply_rotary_pos_emb_bshd")(t, freqs)
+    fused = rope_utils.apply_rotary_pos_emb(t, freqs, config)
+    config.apply_rope_fusion = False
+    unfused = rope_utils.apply_rotary_pos_emb(t, freqs, config)
+    return {"calls": counted("rope") - before, "model_ran": bool(torch.isfinite(loss).all()),
+            "matches": close(fused, ref) and close(unfused, ref)}
+
+
+@check("activations")
+def _():
+    out = {}
+    for glu in (True, False):
+        model, _ = make_model(gated_linear_unit=glu, bias_activation_fusion=True,
+                              activation_func=torch.nn.functional.silu if glu else torch.nn.functional.gelu)
+        op = "bias_swiglu" if glu else "bias_gelu"
+        before = counted(op)
+        mlp = model.decoder.layers[0].mlp
+        x = torch.randn(4, 2, 32)
+        y, _ = mlp(x)
+        target = ("megatron.core.fusions.fused_bias_swiglu:bias_swiglu_impl" if glu
+                  else "megatron.core.fusions.fused_bias_gelu:bias_gelu_impl")
+        inter = torch.randn(8, 128 if glu else 64)
+        bias = torch.randn(128 if glu else 64)
+        from megatron.core.transformer import mlp as mlp_module
+        mine = mlp_module.bias_swiglu_impl(inter, bias) if glu else mlp_module.bias_gelu_impl(inter, bias)
+        out[op] = {"calls": counted(op) - before, "matches": close(mine, original(target)(inter, bias), 1e-5)}
+    return out
+
+
+@check("optimizer")
+def _():
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model, config = make_model()
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    before = counted("adam")
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1), [ddp])
+    inner = opt.optimizer if hasattr(opt, "optimizer") else opt.chained_optimizers[0].optimizer
+    return {"calls": counted("adam") - before, "class": type(inner).__name__,
+            "foreach": bool(inner.defaults.get("foreach"))}
+
+
+@check("multi_tensor")
+def _():
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
+
+    grads = [torch.randn(7, 5), torch.randn(33)]
+    before = counted("multi_tensor_l2norm"), counted("multi_tensor_scale")
+    norm = get_grad_norm_fp32(grads)
+    expected = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=norm)
+    clipped = float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params])))
+    return {"l2norm_calls": counted("multi_tensor_l2norm") - before[0],
+            "scale_calls": counted("multi_tensor_scale") - before[1],
+            "norm_matches": abs(norm - expected) < 1e-4 * expected, "clipped_to_one": abs(clipped - 1.0) < 1e-3}
+
+
+@check("rng")
+def _():
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    state = torch.get_rng_state()
+    with tracker.fork():
+        a = torch.rand(4)
+    outside = torch.rand(4)
+    torch.set_rng_state(state)
+    plain = torch.rand(4)
+    with tracker.fork():
+        b = torch.rand(4)
+    return {"fork_switches_state": not torch.equal(a, plain), "restores_default": torch.equal(outside, plain),
+            "fork_advances": not torch.equal(a, b)}
+
+
+@check("jit")
+def _():
+    from megatron.core.fusions import fused_bias_gelu
+
+    return {"eager": type(fused_bias_gelu.bias_gelu).__name__ == "function"}
+
+
+@check("training")
+def _():
+    from megatron.core.datasets.utils import compile_helpers
+
+    compile_helpers()
+    from megatron.core.datasets import helpers_cpp  # noqa: F401
+    return {"helpers_import": True, "ops": report.op_counts().get("compile_helpers", {})}
+
+
+print("PROBE-JSON:" + json.dumps(results))

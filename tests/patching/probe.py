@@ -1,0 +1,113 @@
+"""Run one patch-mechanics scenario in a fresh interpreter and print its findings as JSON.
+
+    python probe.py before|after|idempotent|revert|disabled|consumers
+"""
+import importlib
+import json
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+os.environ["MEGATRON_ADAPT_AUTO"] = "0"
+
+import megatron_adapt  # noqa: E402
+from megatron_adapt import applier  # noqa: E402
+from megatron_adapt.core import all_specs  # noqa: E402
+
+SPECS = [s for s in all_specs() if not s.module.startswith(("megatron.training", "megatron.legacy"))]
+MODULES = sorted({s.module for s in SPECS})
+# Consumers that import patched names into their own globals: each must see our object.
+ALIASES = {
+    "megatron.core.tensor_parallel.cross_entropy:vocab_parallel_cross_entropy":
+        ["megatron.core.tensor_parallel:vocab_parallel_cross_entropy"],
+    "megatron.core.fusions.fused_cross_entropy:fused_vocab_parallel_cross_entropy":
+        ["megatron.core.models.common.language_module.language_module:fused_vocab_parallel_cross_entropy"],
+    "megatron.core.fusions.fused_bias_swiglu:bias_swiglu_impl": ["megatron.core.transformer.mlp:bias_swiglu_impl"],
+    "megatron.core.fusions.fused_bias_gelu:bias_gelu_impl": ["megatron.core.transformer.mlp:bias_gelu_impl"],
+    "megatron.core.transformer.torch_norm:WrappedTorchNorm": ["megatron.core.models.backends:WrappedTorchNorm"],
+    "megatron.core.utils:local_multi_tensor_l2_norm": ["megatron.core.optimizer.clip_grads:l2_norm_impl"],
+    "megatron.core.utils:local_multi_tensor_scale": ["megatron.core.optimizer.clip_grads:multi_tensor_scale_impl"],
+    "megatron.core.tensor_parallel.random:_set_cuda_rng_state": [],
+}
+CONSUMER_MODULES = ["megatron.core.models.gpt.gpt_model", "megatron.core.models.gpt.gpt_layer_specs",
+                    "megatron.core.optimizer", "megatron.core.optimizer.clip_grads"]
+
+
+def lookup(path):
+    module, qualname = path.split(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = vars(obj)[part] if isinstance(obj, type) else getattr(obj, part)
+    return obj
+
+
+def import_megatron():
+    for m in MODULES + CONSUMER_MODULES:
+        importlib.import_module(m)
+
+
+def snapshot():
+    out = {}
+    records = {p["target"]: p for p in megatron_adapt.report(as_json=True)["patches"]}
+    for s in SPECS:
+        inst = applier.installed().get(s.target)
+        current = lookup(s.target)
+        out[s.target] = {
+            "status": records[s.target]["status"], "reason": records[s.target]["reason"],
+            "ours": inst is not None and current is inst.new,
+            "aliases_ours": [inst is not None and lookup(a) is inst.new for a in ALIASES.get(s.target, [])],
+            "id": id(current), "sites": records[s.target]["sites"],
+        }
+    return out
+
+
+def originals():
+    return {s.target: lookup(s.target) for s in SPECS}
+
+
+def main(scenario):
+    result = {}
+    if scenario == "before":
+        megatron_adapt.apply("cpu")
+        import_megatron()
+        result = snapshot()
+    elif scenario == "after":
+        import_megatron()
+        megatron_adapt.apply("cpu")
+        result = snapshot()
+    elif scenario == "idempotent":
+        import_megatron()
+        megatron_adapt.apply("cpu")
+        first = snapshot()
+        megatron_adapt.apply("cpu")
+        result = {"first": first, "second": snapshot()}
+    elif scenario == "revert":
+        import_megatron()
+        orig = originals()
+        alias_orig = {a: lookup(a) for t in ALIASES for a in ALIASES[t]}
+        import torch
+        set_device = torch.cuda.set_device
+        megatron_adapt.apply("cpu")
+        patched = snapshot()
+        megatron_adapt.revert()
+        restored = {t: lookup(t) is o for t, o in orig.items()}
+        alias_restored = {a: lookup(a) is o for a, o in alias_orig.items()}
+        megatron_adapt.revert()  # second revert: a no-op
+        device_restored = torch.cuda.set_device is set_device
+        megatron_adapt.apply("cpu")
+        reapplied = snapshot()
+        result = {"patched": patched, "restored": restored, "alias_restored": alias_restored,
+                  "device_restored": device_restored, "reapplied": reapplied}
+    elif scenario == "disabled":
+        import_megatron()
+        orig = originals()
+        areas = sorted({s.area for s in SPECS})
+        megatron_adapt.apply("cpu", disable=areas)
+        snap = snapshot()
+        result = {t: {**snap[t], "original": lookup(t) is orig[t]} for t in orig}
+    print("PROBE-JSON:" + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
