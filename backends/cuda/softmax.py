@@ -77,7 +77,7 @@ def _softmax_fwd(X, Y, MASK, NP, SQ, SK, scale, ms_b, ms_h, ms_q, ms_k, LEFT, RI
             m = cols < SK
             x = tl.load(X + base + cols, mask=m, other=0.0).to(tl.float32) * scale
             dead = _masked(cols, q, SQ, SK, mask_row, ms_k, m, HAS_MASK, MODE, LEFT, RIGHT)
-            x = tl.where(dead, MASK_VALUE, x)
+            x = tl.where(m, tl.where(dead, MASK_VALUE, x), float("-inf"))
             tl.store(Y + base + cols, (tl.exp(x - gmax) / tot).to(Y.dtype.element_ty), mask=m)
 
 

@@ -1,0 +1,30 @@
+"""Worker for the TP=2 cross-entropy test: one process per rank, gloo, interpreted kernels.
+
+Kept apart from the test module so that a spawned child imports only torch before it sets
+TRITON_INTERPRET (triton reads it at import).
+"""
+import os
+
+import torch
+
+
+def run(rank, world, init_file, logits, target, smoothing, grad_out, results):
+    os.environ["TRITON_INTERPRET"] = "1"   # CPU tensors + gloo: the kernel runs interpreted
+    os.environ["MEGATRON_ADAPT_AUTO"] = "0"
+    import torch.distributed as dist
+
+    from megatron_adapt import report
+    from megatron_adapt.backends.cuda.cross_entropy import vocab_parallel_cross_entropy
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        part = logits.size(-1) // world
+        local = logits[..., rank * part:(rank + 1) * part].clone().requires_grad_()
+        inp = local * 1.0  # a non-leaf, as Megatron's logits: the gradient is written in place
+        inp.retain_grad()
+        loss = vocab_parallel_cross_entropy(inp, target, smoothing, dist.group.WORLD)
+        loss.backward(grad_out)
+        counts = report.op_counts()["vocab_parallel_cross_entropy"]
+        results.put((rank, loss.detach().numpy(), local.grad.detach().numpy(), sorted(counts)))
+    finally:
+        dist.destroy_process_group()
