@@ -1,0 +1,398 @@
+#!/usr/bin/env python3
+"""Benchmark the cuda backend's ops (forward + backward) against Megatron's stock fallback math,
+PyTorch eager, torch.compile and Liger-Kernel (when importable). Writes DIR/kernels.csv and
+DIR/kernels.png (matplotlib, if installed).
+
+    python scripts/bench_kernels.py --backend cuda --out out/bench
+
+Timing: triton.testing.do_bench (CUDA events, L2 flushed before each call), median and p20/p80
+of fwd+bwd; the backward goes through torch.autograd.grad (no .grad accumulation counted).
+Bandwidth: bytes of a minimal fwd+bwd model per op (stated in the `bytes_model` column: every
+input read once and every output written once per pass), over the median time, and as a fraction
+of a large device-to-device copy measured in the same run (bytes read + written).
+Attention: TFLOP/s with flash-attention's convention (fwd 4*b*h*s^2*d, halved when causal;
+fwd+bwd = 3.5x fwd). "megatron_stock" is Megatron-core's plain-torch path when apex / TE /
+its CUDA extensions are absent, re-implemented here (megatron-core need not be installed).
+"""
+import argparse
+import csv
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROWS = []
+COPY_GBPS = None
+
+
+def bench(fn, warmup=25, rep=100):
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5, 0.2, 0.8])
+
+
+def fwd_bwd(forward, inputs, grad_out=None):
+    """A closure running forward and backward with respect to `inputs`."""
+    def run():
+        out = forward()
+        g = grad_out if grad_out is not None else torch.ones_like(out)
+        torch.autograd.grad(out, inputs, g)
+    return run
+
+
+def record(op, shape, impl, fn, nbytes=None, model="", flops=None, note=""):
+    try:
+        ms, p20, p80 = bench(fn)
+    except Exception as e:  # one failing comparator must not lose the run
+        print(f"  {op:<24} {impl:<18} FAILED: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        ROWS.append(dict(op=op, shape=shape, impl=impl, ms="", p20="", p80="", bytes_model=model,
+                         GBps="", frac_copy="", TFLOPs="", note=f"failed: {type(e).__name__}"))
+        return
+    gbps = nbytes / ms / 1e6 if nbytes else None
+    tfl = flops / ms / 1e9 if flops else None
+    row = dict(op=op, shape=shape, impl=impl, ms=f"{ms:.4f}", p20=f"{p20:.4f}", p80=f"{p80:.4f}",
+               bytes_model=model, GBps=f"{gbps:.0f}" if gbps else "",
+               frac_copy=f"{gbps / COPY_GBPS:.3f}" if gbps and COPY_GBPS else "",
+               TFLOPs=f"{tfl:.0f}" if tfl else "", note=note)
+    ROWS.append(row)
+    print(f"  {op:<24} {impl:<18} {ms:8.3f} ms  " + (f"{gbps:7.0f} GB/s {gbps / COPY_GBPS:6.1%} of copy"
+          if gbps else "") + (f"  {tfl:6.0f} TFLOP/s" if tfl else ""), flush=True)
+
+
+def maybe_compile(fn, args):
+    if not args.compile or time.time() - args.t0 > args.compile_budget:
+        return None
+    return torch.compile(fn, dynamic=False)
+
+
+def liger():
+    try:
+        import liger_kernel  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+# ---------------------------------------------------------------- Megatron stock re-implementations
+def megatron_softmax(x, scale, causal):
+    """FusedScaleMaskSoftmax.forward_torch_softmax (softmax_in_fp32, causal default mask)."""
+    x = x.float() * scale
+    sq, sk = x.shape[-2:]
+    mask = torch.triu(torch.ones(sq, sk, device=x.device, dtype=torch.bool), diagonal=1)
+    x = x.masked_fill(mask, -10000.0)
+    return torch.softmax(x, -1).to(torch.bfloat16)
+
+
+def megatron_swiglu_fns():
+    """Megatron's SwiGLUFunction: jit_fuser (torch.compile) forward and hand-written backward."""
+    @torch.compile
+    def swiglu(y):
+        a, b = torch.chunk(y, 2, -1)
+        return F.silu(a) * b
+
+    @torch.compile
+    def swiglu_back(g, y):
+        a, b = torch.chunk(y, 2, -1)
+        return torch.cat((g * torch.sigmoid(a) * (1 + a * (1 - torch.sigmoid(a))) * b,
+                          g * F.silu(a)), -1)
+
+    class SwiGLUFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return swiglu(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return swiglu_back(g, ctx.saved_tensors[0])
+    return SwiGLUFunction.apply
+
+
+def megatron_attention(q, k, v, scale):
+    """Megatron's local DotProductAttention: baddbmm scores, fp32 masked softmax, bmm."""
+    b, h, s, d = q.shape
+    rep = h // k.size(1)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = torch.baddbmm(torch.empty(b * h, s, s, dtype=q.dtype, device=q.device),
+                           q.reshape(b * h, s, d), k.reshape(b * h, s, d).transpose(1, 2),
+                           beta=0.0, alpha=scale).view(b, h, s, s)
+    probs = megatron_softmax(scores, 1.0, True).to(q.dtype)
+    return torch.bmm(probs.view(b * h, s, s), v.reshape(b * h, s, d)).view(b, h, s, d)
+
+
+# ---------------------------------------------------------------- per-op benchmarks
+def bench_norms(be, args, dev):
+    t, h = args.tokens, args.hidden
+    x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(h, device=dev, dtype=torch.bfloat16, requires_grad=True) + 0.5
+    w = w.detach().requires_grad_()
+    bias = torch.randn(h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    nb = 5 * t * h * 2
+    model = "fwd r x + w y; bwd r x,dy + w dx = 5*T*H*2B"
+    shape = f"{t}x{h} bf16"
+
+    def eager_rms(x, w):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * w
+
+    rms = be.op("rms_norm")
+    record("rms_norm", shape, "ours", fwd_bwd(lambda: rms(x, w, 1e-5), [x, w], dy), nb, model)
+    record("rms_norm", shape, "megatron_stock", fwd_bwd(lambda: F.rms_norm(x, (h,), w, 1e-5), [x, w], dy),
+           nb, model, note="WrappedTorchNorm -> torch.nn.RMSNorm")
+    record("rms_norm", shape, "torch_eager", fwd_bwd(lambda: eager_rms(x, w), [x, w], dy), nb, model)
+    c = maybe_compile(eager_rms, args)
+    if c:
+        record("rms_norm", shape, "torch_compile", fwd_bwd(lambda: c(x, w), [x, w], dy), nb, model)
+    if liger():
+        from liger_kernel.transformers.functional import liger_rms_norm
+        record("rms_norm", shape, "liger", fwd_bwd(lambda: liger_rms_norm(x, w, 1e-5), [x, w], dy), nb, model)
+    ln = be.op("layer_norm")
+    record("layer_norm", shape, "ours", fwd_bwd(lambda: ln(x, w, bias, 1e-5), [x, w, bias], dy), nb, model)
+    record("layer_norm", shape, "megatron_stock",
+           fwd_bwd(lambda: F.layer_norm(x, (h,), w, bias, 1e-5), [x, w, bias], dy), nb, model,
+           note="WrappedTorchNorm -> torch.nn.LayerNorm (= eager)")
+    c = maybe_compile(lambda x, w, b: F.layer_norm(x, (h,), w, b, 1e-5), args)
+    if c:
+        record("layer_norm", shape, "torch_compile", fwd_bwd(lambda: c(x, w, bias), [x, w, bias], dy), nb, model)
+
+
+def bench_softmax(be, args, dev):
+    b, hh, s = 4, 16, 2048
+    x = torch.randn(b, hh, s, s, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    nb = 5 * x.numel() * 2
+    model = "fwd r x w y; bwd r y,dy w dx = 5*E*2B (causal mask computed, not read)"
+    shape = f"b{b} h{hh} {s}x{s} bf16 causal"
+    sm = be.op("scaled_masked_softmax")
+    scale = 1 / math.sqrt(128)
+    record("scaled_masked_softmax", shape, "ours",
+           fwd_bwd(lambda: sm(x, None, scale, True, None, True), [x], dy), nb, model)
+    record("scaled_masked_softmax", shape, "megatron_stock",
+           fwd_bwd(lambda: megatron_softmax(x, scale, True), [x], dy), nb, model,
+           note="forward_torch_softmax (no CUDA extension)")
+    c = maybe_compile(lambda x: megatron_softmax(x, scale, True), args)
+    if c:
+        record("scaled_masked_softmax", shape, "torch_compile", fwd_bwd(lambda: c(x), [x], dy), nb, model)
+
+
+def bench_swiglu(be, args, dev):
+    t, f = args.tokens, args.hidden
+    x = torch.randn(t, 2 * f, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(t, f, device=dev, dtype=torch.bfloat16)
+    nb = 8 * t * f * 2
+    model = "fwd r 2F w F; bwd r 2F,F w 2F = 8*T*F*2B"
+    shape = f"{t}x(2*{f}) bf16"
+    op = be.op("swiglu")
+    record("swiglu", shape, "ours", fwd_bwd(lambda: op(x), [x], dy), nb, model)
+    if args.compile:
+        mswiglu = megatron_swiglu_fns()
+        record("swiglu", shape, "megatron_stock", fwd_bwd(lambda: mswiglu(x), [x], dy), nb, model,
+               note="SwiGLUFunction with jit_fuser=torch.compile")
+
+    def eager(x):
+        a, b = torch.chunk(x, 2, -1)
+        return F.silu(a) * b
+    record("swiglu", shape, "torch_eager", fwd_bwd(lambda: eager(x), [x], dy), nb, model)
+    c = maybe_compile(eager, args)
+    if c:
+        record("swiglu", shape, "torch_compile", fwd_bwd(lambda: c(x), [x], dy), nb, model)
+    if liger():
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+        a, b = x.detach()[:, :f].contiguous().requires_grad_(), x.detach()[:, f:].contiguous().requires_grad_()
+        record("swiglu", shape, "liger", fwd_bwd(lambda: LigerSiLUMulFunction.apply(a, b), [a, b], dy), nb, model)
+
+
+def bench_rope(be, args, dev):
+    from megatron_adapt.backends.cpu.rope import rope as megatron_rope  # Megatron's bshd formula
+    b, h, d = 4, args.hidden // 128, 128
+    s = args.tokens // b
+    t = torch.randn(s, b, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    freqs = torch.randn(s, 1, 1, d, device=dev)
+    dy = torch.randn_like(t)
+    nb = 4 * t.numel() * 2
+    model = "fwd r t w out; bwd r dy w dt = 4*E*2B (angles negligible)"
+    shape = f"s{s} b{b} h{h} d{d} bf16"
+    op = be.op("rope")
+    record("rope", shape, "ours", fwd_bwd(lambda: op(t, freqs, False), [t], dy), nb, model)
+    record("rope", shape, "megatron_stock", fwd_bwd(lambda: megatron_rope(t, freqs, False), [t], dy), nb,
+           model, note="_apply_rotary_pos_emb_bshd unfused (= eager)")
+    c = maybe_compile(lambda t, f: megatron_rope(t, f, False), args)
+    if c:
+        record("rope", shape, "torch_compile", fwd_bwd(lambda: c(t, freqs), [t], dy), nb, model)
+
+
+def bench_ce(be, args, dev):
+    from megatron_adapt.backends.cpu.cross_entropy import vocab_parallel_cross_entropy as megatron_ce
+    op = be.op("vocab_parallel_cross_entropy")
+    for v in (32000, 128256):
+        t = args.ce_tokens
+        x = torch.randn(t, v, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        tg = torch.randint(0, v, (t,), device=dev)
+        g = torch.rand(t, device=dev)
+        nb = 3 * t * v * 2
+        model = "fwd r logits; bwd r logits w grad = 3*T*V*2B"
+        shape = f"{t}x{v} bf16"
+        record("cross_entropy", shape, "ours", fwd_bwd(lambda: op(x, tg, 0.0, None), [x], g), nb, model)
+        record("cross_entropy", shape, "megatron_stock", fwd_bwd(lambda: megatron_ce(x, tg, 0.0, None), [x], g),
+               nb, model, note="VocabParallelCrossEntropy math (fp32 copy, saved softmax)")
+        record("cross_entropy", shape, "torch_eager",
+               fwd_bwd(lambda: F.cross_entropy(x.float(), tg, reduction="none"), [x], g), nb, model)
+        c = maybe_compile(lambda x, tg: F.cross_entropy(x.float(), tg, reduction="none"), args)
+        if c:
+            record("cross_entropy", shape, "torch_compile", fwd_bwd(lambda: c(x, tg), [x], g), nb, model)
+        if liger():
+            from liger_kernel.transformers.functional import liger_cross_entropy
+            record("cross_entropy", shape, "liger",
+                   fwd_bwd(lambda: liger_cross_entropy(x, tg, reduction="none"), [x], g), nb, model)
+        del x
+
+
+def bench_attention(be, args, dev):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    op = be.op("attention")
+    b, h, s, d = 4, 16, 2048, 128
+    for hkv, label in ((16, "causal"), (4, "causal GQA 16q/4kv")):
+        q = torch.randn(b, h, s, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(b, hkv, s, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(b, hkv, s, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn_like(q)
+        flops = 3.5 * 4 * b * s * s * h * d / 2
+        shape = f"b{b} h{h}/{hkv} s{s} d{d} bf16 {label}"
+        from megatron_adapt import report
+        report.reset_op_counts()
+        op(q, k, v, causal=True)
+        path = ",".join(report.op_counts().get("attention", {}))
+        record("attention", shape, "ours", fwd_bwd(lambda: op(q, k, v, causal=True), [q, k, v], dy),
+               flops=flops, note=path)
+        for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+                              ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
+            def run(backend=backend):
+                with sdpa_kernel([backend]):
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hkv != h)
+                torch.autograd.grad(out, [q, k, v], dy)
+            record("attention", shape, name, run, flops=flops)
+        record("attention", shape, "megatron_stock",
+               fwd_bwd(lambda: megatron_attention(q, k, v, d ** -0.5), [q, k, v], dy), flops=flops,
+               note="local DotProductAttention: baddbmm + torch softmax + bmm")
+
+
+def bench_adam(be, args, dev):
+    n, chunks = args.adam_params, 64
+    size = n // chunks
+    params = [torch.randn(size, device=dev, requires_grad=True) for _ in range(chunks)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    nb = 28 * size * chunks
+    model = "r p,g,m,v w p,m,v fp32 = 28 B/param"
+    shape = f"{size * chunks / 1e9:.2f}e9 fp32 params in {chunks} tensors"
+    opt = be.op("adam")(params, lr=1e-4, weight_decay=0.1)
+    record("adamw", shape, "ours", opt.step, nb, model, note=type(opt).__name__ + " fused=True")
+    del opt
+    torch.cuda.empty_cache()
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=True)
+    record("adamw", shape, "megatron_stock", opt.step, nb, model, note="torch AdamW foreach (no apex/TE)")
+    del opt
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+    record("adamw", shape, "torch_fused", opt.step, nb, model)
+    del opt, params
+    torch.cuda.empty_cache()
+
+
+def bench_multi_tensor(be, args, dev):
+    ts = [torch.randn(4 * 1024 * 1024, device=dev) for _ in range(256)]  # 1 Gi fp32 elements
+    nb = sum(t.numel() for t in ts) * 4
+    l2 = be.op("multi_tensor_l2norm")
+    record("multi_tensor_l2norm", "256 x 4M fp32", "ours", lambda: l2(ts), nb, "r all = 4B/elem")
+
+    def megatron_l2():  # Megatron's local_multi_tensor_l2_norm: one norm per tensor, then stack
+        return torch.norm(torch.stack([torch.norm(t, 2.0) for t in ts]), 2.0)
+    record("multi_tensor_l2norm", "256 x 4M fp32", "megatron_stock", megatron_l2, nb, "r all = 4B/elem")
+
+
+def measure_copy(dev):
+    global COPY_GBPS
+    src = torch.empty(2 * 1024 ** 3 // 2, dtype=torch.bfloat16, device=dev).normal_()
+    dst = torch.empty_like(src)
+    ms, _, _ = bench(lambda: dst.copy_(src))
+    COPY_GBPS = 2 * src.numel() * 2 / ms / 1e6
+    ROWS.append(dict(op="d2d_copy", shape="2 GiB bf16", impl="torch copy_", ms=f"{ms:.4f}", p20="", p80="",
+                     bytes_model="r+w = 2*N*2B", GBps=f"{COPY_GBPS:.0f}", frac_copy="1.000", TFLOPs="", note=""))
+    print(f"device-to-device copy: {COPY_GBPS:.0f} GB/s (bytes read + written)", flush=True)
+    del src, dst
+
+
+def plot(path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: skipping the PNG chart")
+        return
+    mem = [r for r in ROWS if r["frac_copy"] and r["op"] != "d2d_copy"]
+    att = [r for r in ROWS if r["TFLOPs"]]
+    fig, axes = plt.subplots(1, 2, figsize=(16, 0.32 * max(len(mem), len(att)) + 2),
+                             gridspec_kw={"width_ratios": [2, 1]})
+    labels = [f"{r['op']} {r['shape'].split(' bf16')[0]} [{r['impl']}]" for r in mem]
+    cols = ["tab:green" if r["impl"] == "ours" else "tab:gray" for r in mem]
+    axes[0].barh(range(len(mem)), [float(r["frac_copy"]) for r in mem], color=cols)
+    axes[0].set_yticks(range(len(mem)), labels, fontsize=7)
+    axes[0].invert_yaxis()
+    axes[0].axvline(1.0, color="k", lw=0.5)
+    axes[0].set_xlabel("fwd+bwd model bandwidth / measured D2D copy bandwidth")
+    labels = [f"{r['shape'].split(' bf16')[0]} {r['shape'].split('bf16 ')[-1]} [{r['impl']}]" for r in att]
+    cols = ["tab:green" if r["impl"] == "ours" else "tab:gray" for r in att]
+    axes[1].barh(range(len(att)), [float(r["TFLOPs"]) for r in att], color=cols)
+    axes[1].set_yticks(range(len(att)), labels, fontsize=7)
+    axes[1].invert_yaxis()
+    axes[1].set_xlabel("attention fwd+bwd TFLOP/s")
+    fig.suptitle(f"megatron-adapt cuda backend, {torch.cuda.get_device_name()}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default="cuda", choices=["cuda"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--ops", default="norms,softmax,swiglu,rope,ce,attention,adam,multi_tensor")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--ce-tokens", type=int, default=8192)
+    p.add_argument("--adam-params", type=int, default=10 ** 9)
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile baselines")
+    p.add_argument("--compile-budget", type=float, default=300,
+                   help="seconds after which further torch.compile baselines are skipped")
+    args = p.parse_args(argv)
+    args.t0 = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    from megatron_adapt.backends import load
+    be = load(args.backend)
+    dev = torch.device("cuda")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, liger: {liger()}", flush=True)
+    measure_copy(dev)
+    table = dict(norms=bench_norms, softmax=bench_softmax, swiglu=bench_swiglu, rope=bench_rope,
+                 ce=bench_ce, attention=bench_attention, adam=bench_adam, multi_tensor=bench_multi_tensor)
+    for name in args.ops.split(","):
+        print(f"[{name}]", flush=True)
+        try:
+            table[name](be, args, dev)
+        except Exception as e:
+            print(f"  {name} FAILED: {type(e).__name__}: {e}", flush=True)
+        torch.cuda.empty_cache()
+    path = os.path.join(args.out, "kernels.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(ROWS[0]))
+        w.writeheader()
+        w.writerows(ROWS)
+    print(f"wrote {path}")
+    plot(os.path.join(args.out, "kernels.png"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
