@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Stock Megatron-LM pretrain_gpt.py, unmodified, on any megatron-adapt backend: a tiny GPT on mock
+# data, launched as `megatron-adapt-run torchrun --nproc-per-node $NPROC pretrain_gpt.py ...`.
+#
+# Usage:
+#   MEGATRON_LM_PATH=/path/to/Megatron-LM [VAR=value ...] tests_gpt/pretrain_gpt_distributed.sh \
+#       [--shape_order SBH|BSH] [--pre=N] [--next=N] [extra pretrain_gpt.py arguments ...]
+#
+# Arguments:
+#   --shape_order SBH   activation layout. SBH ([seq, batch, hidden]) is the only layout Megatron's
+#                       local transformer uses (0.16 has no batch-first option); BSH is refused with
+#                       an error rather than silently ignored. Attention ops permute internally.
+#   --pre=N --next=N    sliding-window attention: each token attends to N tokens before it and N
+#                       after it; mapped to Megatron's `--window-size PRE,NEXT` (causal GPT: next=0,
+#                       the default when only --pre is given). Off when neither is given.
+#   anything else       passed to pretrain_gpt.py after the defaults below (a later flag wins).
+#
+# Environment (defaults in brackets):
+#   MEGATRON_LM_PATH       Megatron-LM checkout matching the installed megatron-core (required)
+#   MEGATRON_ADAPT_BACKEND auto|cpu|cuda|npu [auto], read by megatron-adapt in every rank
+#   NPROC [2]  TP [1]  PP [1]  SP [0] (1: --sequence-parallel)  DISTOPT [0] (1: --use-distributed-optimizer)
+#   PRECISION [fp32] fp32|bf16|fp16     INITIAL_LOSS_SCALE [4096] (fp16 only; Megatron's 2^32
+#                                       default skips ~20 iterations while it backs off)
+#   LLAMA [0]  1: --swiglu --position-embedding-type rope --normalization RMSNorm
+#                 --untie-embeddings-and-output-weights --disable-bias-linear
+#   NLAYERS [2] HIDDEN [64] HEADS [4] SEQ [64] VOCAB [128] MBS [2] GBS [8] ITERS [10] LR [1e-3]
+#   SAVE, LOAD [unset]  checkpoint directories (--save / --load); SAVE_INTERVAL [ITERS]
+#   OVERRIDE_SCHEDULER [auto]  1: --override-opt_param-scheduler. auto: on when LOAD is set, because
+#                       Megatron asserts the checkpointed scheduler equals the new one and its
+#                       weight-decay horizon is train_iters*global_batch (so more --train-iters
+#                       after a resume always needs it; not a backend issue)
+#   GRAD_ACCUM_FUSION [0]  0: --no-gradient-accumulation-fusion. Megatron's default (on) needs
+#                       apex's fused_weight_gradient_mlp_cuda extension, which megatron-adapt does
+#                       not provide yet; 1 keeps Megatron's default.
+#   MASTER_PORT [random free port]   OMP_NUM_THREADS [1]   LAUNCHER [megatron-adapt-run]
+#
+# Every fused-kernel flag stays at Megatron's default (persist-layer-norm, masked-softmax-fusion,
+# rope-fusion, bias-gelu/swiglu fusion): megatron-adapt serves them on each backend.
+set -euo pipefail
+
+: "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v<megatron-core version>)}"
+NPROC=${NPROC:-2}; TP=${TP:-1}; PP=${PP:-1}; SP=${SP:-0}; DISTOPT=${DISTOPT:-0}
+PRECISION=${PRECISION:-fp32}; INITIAL_LOSS_SCALE=${INITIAL_LOSS_SCALE:-4096}; LLAMA=${LLAMA:-0}
+NLAYERS=${NLAYERS:-2}; HIDDEN=${HIDDEN:-64}; HEADS=${HEADS:-4}; SEQ=${SEQ:-64}; VOCAB=${VOCAB:-128}
+MBS=${MBS:-2}; GBS=${GBS:-8}; ITERS=${ITERS:-10}; LR=${LR:-1e-3}
+GRAD_ACCUM_FUSION=${GRAD_ACCUM_FUSION:-0}; LAUNCHER=${LAUNCHER:-megatron-adapt-run}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+SHAPE_ORDER=SBH; PRE=""; NEXT=""; EXTRA=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --shape_order=*|--shape-order=*) SHAPE_ORDER="${1#*=}" ;;
+        --shape_order|--shape-order) SHAPE_ORDER="${2:?--shape_order needs SBH or BSH}"; shift ;;
+        --pre=*) PRE="${1#*=}" ;;
+        --pre) PRE="${2:?--pre needs N}"; shift ;;
+        --next=*) NEXT="${1#*=}" ;;
+        --next) NEXT="${2:?--next needs N}"; shift ;;
+        *) EXTRA+=("$1") ;;
+    esac
+    shift
+done
+
+case "${SHAPE_ORDER^^}" in
+    SBH) ;;
+    BSH) echo "pretrain_gpt_distributed.sh: --shape_order BSH: Megatron-LM's local transformer keeps" \
+              "activations as [seq, batch, hidden] and has no batch-first option; use SBH" >&2; exit 2 ;;
+    *) echo "pretrain_gpt_distributed.sh: --shape_order must be SBH or BSH, got '$SHAPE_ORDER'" >&2; exit 2 ;;
+esac
+
+if [[ -z "${MASTER_PORT:-}" ]]; then
+    MASTER_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+fi
+
+ARGS=(
+    --num-layers "$NLAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS"
+    --seq-length "$SEQ" --max-position-embeddings "$SEQ"
+    --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS"
+    --mock-data --tokenizer-type NullTokenizer --vocab-size "$VOCAB" --split 949,50,1
+    --transformer-impl local
+    --lr "$LR" --min-lr "$(python3 -c "print($LR / 10)")" --lr-decay-style cosine
+    --weight-decay 0.01 --clip-grad 1.0 --seed 1234
+    --log-interval 1 --eval-interval 1000 --eval-iters 1
+    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+)
+[[ "$SP" == 1 ]] && ARGS+=(--sequence-parallel)
+[[ "$DISTOPT" == 1 ]] && ARGS+=(--use-distributed-optimizer)
+case "$PRECISION" in
+    fp32) ;;
+    bf16) ARGS+=(--bf16) ;;
+    fp16) ARGS+=(--fp16 --initial-loss-scale "$INITIAL_LOSS_SCALE") ;;
+    *) echo "PRECISION must be fp32, bf16 or fp16, got '$PRECISION'" >&2; exit 2 ;;
+esac
+[[ "$LLAMA" == 1 ]] && ARGS+=(--swiglu --position-embedding-type rope --normalization RMSNorm
+                              --untie-embeddings-and-output-weights --disable-bias-linear)
+[[ "$GRAD_ACCUM_FUSION" == 1 ]] || ARGS+=(--no-gradient-accumulation-fusion)
+if [[ -n "$PRE" || -n "$NEXT" ]]; then
+    ARGS+=(--window-size "${PRE:--1},${NEXT:-0}")
+fi
+[[ -n "${SAVE:-}" ]] && ARGS+=(--save "$SAVE" --save-interval "${SAVE_INTERVAL:-$ITERS}")
+if [[ -n "${LOAD:-}" ]]; then
+    ARGS+=(--load "$LOAD")
+    [[ "${OVERRIDE_SCHEDULER:-auto}" != 0 ]] && ARGS+=(--override-opt_param-scheduler)
+elif [[ "${OVERRIDE_SCHEDULER:-auto}" == 1 ]]; then
+    ARGS+=(--override-opt_param-scheduler)
+fi
+
+CMD=(torchrun --nproc-per-node "$NPROC" --master-port "$MASTER_PORT"
+     "$MEGATRON_LM_PATH/pretrain_gpt.py" "${ARGS[@]}" "${EXTRA[@]}")
+[[ -n "$LAUNCHER" ]] && CMD=("$LAUNCHER" "${CMD[@]}")
+echo "+ ${CMD[*]}" >&2
+exec "${CMD[@]}"
