@@ -262,6 +262,17 @@ def _guard_amx() -> None:
             pass
 
 
+def _wrap_backward_apply(original):
+    """Autograd runs Function.backward with an empty torch-function-mode stack; Megatron's backward
+    passes allocate on `torch.cuda.current_device()` too, so re-enter the mode there."""
+    def apply(self, *args):
+        if _mode is None or torch._C._len_torch_function_stack() > 0:
+            return original(self, *args)
+        with _mode:
+            return original(self, *args)
+    return apply
+
+
 def _set(owner, name, value):
     had = name in vars(owner)
     _saved.append((owner, name, getattr(owner, name, None), had))
@@ -285,6 +296,9 @@ def install() -> None:
         for name, wrap in (("init_process_group", _wrap_init_process_group),
                            ("new_group", _wrap_new_group), ("barrier", _wrap_barrier)):
             _set(dist, name, wrap(getattr(dist, name)))
+    from torch.autograd.function import BackwardCFunction
+
+    _set(BackwardCFunction, "apply", _wrap_backward_apply(BackwardCFunction.apply))
     # Megatron requires this with TP > 1 on pre-Blackwell "devices"; the CPU has no connections.
     if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"

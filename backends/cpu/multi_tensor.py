@@ -8,8 +8,8 @@ def l2norm(tensors):
     report.ran("multi_tensor_l2norm", "torch._foreach_norm")
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm(tensors, 2.0)
-    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
+    norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)  # accumulate bf16/fp16 in fp32
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
 def scale(srcs, dsts, factor):
