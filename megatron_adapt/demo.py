@@ -110,14 +110,16 @@ def _train(rank: int, cfg: RunConfig):
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     config = TransformerConfig(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
-        ffn_hidden_size=cfg.ffn * (2 if cfg.swiglu else 1) // (2 if cfg.swiglu else 1),
+        ffn_hidden_size=cfg.ffn,
         use_cpu_initialization=True, pipeline_dtype=dtype, params_dtype=dtype, bf16=cfg.bf16,
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
         sequence_parallel=cfg.sequence_parallel, normalization=cfg.normalization,
         gated_linear_unit=cfg.swiglu, activation_func=torch.nn.functional.silu if cfg.swiglu else
         torch.nn.functional.gelu, bias_activation_fusion=cfg.swiglu, hidden_dropout=0.0,
-        attention_dropout=0.0, add_bias_linear=not cfg.swiglu, masked_softmax_fusion=True,
-        apply_rope_fusion=cfg.position_embedding == "rope", persist_layer_norm=True)
+        attention_dropout=0.0, add_bias_linear=not cfg.swiglu,
+        # Megatron's defaults need our patches; unpatched Megatron needs them off (no apex / TE).
+        masked_softmax_fusion=cfg.patched, persist_layer_norm=cfg.patched,
+        apply_rope_fusion=cfg.patched and cfg.position_embedding == "rope")
     model = GPTModel(config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=cfg.normalization),
                      vocab_size=cfg.vocab, max_sequence_length=cfg.seq,
                      pre_process=parallel_state.is_pipeline_first_stage(),

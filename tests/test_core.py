@@ -1,0 +1,169 @@
+"""The core: backend selection, version gate, strict mode, signature checks, launcher, report.
+Bad input must give a clear error and leave nothing patched."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import run_python
+
+NOTHING_PATCHED = textwrap.dedent("""
+    import torch, torch.distributed as dist
+    from megatron_adapt import applier, core
+    assert not applier.installed(), applier.installed()
+    assert core.active_backend() is None
+    assert 'megatron_adapt' not in getattr(torch.cuda.set_device, '__module__', '')
+    assert 'megatron_adapt' not in getattr(dist.init_process_group, '__module__', '')
+    print('NOTHING-PATCHED')
+""")
+
+
+def expect_error(setup: str, env=None):
+    code = "import megatron_adapt\ntry:\n" + textwrap.indent(setup, "    ") + \
+        "\nexcept Exception as exc:\n    print('ERROR:', type(exc).__name__, exc)\nelse:\n    print('NO ERROR')\n" + NOTHING_PATCHED
+    proc = run_python(code, env=env)
+    assert "NOTHING-PATCHED" in proc.stdout, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_unknown_backend_lists_the_choices():
+    out = expect_error("megatron_adapt.apply('tpu')")
+    assert "UnknownBackendError" in out and "auto, cpu, cuda, npu" in out, out
+
+
+def test_unknown_backend_from_environment_fails_at_import():
+    proc = run_python("import megatron_adapt", env={"MEGATRON_ADAPT_AUTO": "1", "MEGATRON_ADAPT_BACKEND": "gpu"},
+                      check=False)
+    assert proc.returncode != 0 and "unknown backend 'gpu'" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_cuda_requested_without_gpu_fails_clearly():
+    out = expect_error("megatron_adapt.apply('cuda')")
+    assert "BackendUnavailableError" in out and "no CUDA device" in out, out
+
+
+def test_npu_requested_without_torch_npu_fails_clearly():
+    out = expect_error("megatron_adapt.apply('npu')")
+    assert "BackendUnavailableError" in out and "torch_npu" in out, out
+
+
+def test_auto_picks_cpu_here():
+    proc = run_python("import megatron_adapt; print(megatron_adapt.apply().name)")
+    assert proc.stdout.strip().endswith("cpu")
+
+
+def test_unsupported_megatron_version_names_the_range(tmp_path):
+    core = tmp_path / "megatron" / "core"
+    core.mkdir(parents=True)
+    (tmp_path / "megatron" / "__init__.py").write_text("")
+    (core / "__init__.py").write_text("")
+    (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 99\nPATCH = 0\nPRE_RELEASE = ''\n")
+    out = expect_error("megatron_adapt.apply('cpu')", env={"PYTHONPATH": str(tmp_path)})
+    assert "UnsupportedMegatronVersionError" in out and "0.99.0" in out and ">=0.15.0" in out, out
+
+
+def test_strict_mode_turns_a_fallback_into_an_error_naming_op_and_reason():
+    code = textwrap.dedent("""
+        import megatron_adapt, torch
+        megatron_adapt.apply('cpu', strict=True)
+        from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+        from megatron.core.transformer.enums import AttnMaskType
+        from megatron.core.transformer.utils import attention_mask_func
+        sm = FusedScaleMaskSoftmax(False, False, AttnMaskType.causal, True, attention_mask_func, True, None)
+        try:
+            sm(torch.randn(1, 2, 4, 4), None, softmax_offset=torch.zeros(2))
+        except megatron_adapt.StrictFallbackError as exc:
+            print('STRICT:', exc)
+    """)
+    out = run_python(code).stdout
+    assert "STRICT: scaled_masked_softmax: fell back" in out and "softmax_offset" in out, out
+
+
+def test_fallback_without_strict_is_reported():
+    code = textwrap.dedent("""
+        import megatron_adapt, torch
+        megatron_adapt.apply('cpu')
+        from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+        from megatron.core.transformer.enums import AttnMaskType
+        from megatron.core.transformer.utils import attention_mask_func
+        sm = FusedScaleMaskSoftmax(False, False, AttnMaskType.causal, True, attention_mask_func, True, None)
+        sm(torch.randn(1, 2, 4, 4), None, softmax_offset=torch.zeros(2))
+        print(megatron_adapt.report())
+    """)
+    out = run_python(code).stdout
+    assert "FELL BACK: softmax_offset" in out, out
+
+
+def test_signature_check_rejects_a_narrower_replacement():
+    from megatron_adapt.applier import signature_problem
+
+    def original(a, b=1, *, c=2):
+        pass
+
+    assert signature_problem(original, lambda a, b=1, *, c=2: 0) is None
+    assert signature_problem(original, lambda a, **kw: 0) is not None  # b positional lost
+    assert "c" in signature_problem(original, lambda a, b=1: 0)
+    assert "optional" in signature_problem(original, lambda a, b, *, c=2: 0)
+    assert signature_problem(original, lambda *args, **kwargs: 0) is None
+
+
+def test_spec_outside_its_version_range_is_skipped_with_reason():
+    code = textwrap.dedent("""
+        import megatron_adapt
+        from megatron_adapt import applier, report
+        from megatron_adapt.spec import PatchSpec
+        from megatron_adapt.config import Config
+        from megatron_adapt.versions import megatron_core_version
+        from megatron_adapt.backends import load
+        import megatron.core.utils
+        spec = PatchSpec('megatron.core.utils:is_te_min_version', area='x', build=lambda b, o: o,
+                         versions='>=0.99')
+        applier.apply_spec(spec, load('cpu'), Config(), megatron_core_version())
+        rec = report.patch_record(spec)
+        print(rec.status, '|', rec.reason)
+    """)
+    out = run_python(code).stdout
+    assert out.startswith("skipped |") and "outside >=0.99" in out, out
+
+
+def test_report_cli_and_json(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megatron_adapt.cli", "report", "--json"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert data["backend"] == "cpu" and data["megatron_core"]
+    statuses = {p["target"]: p["status"] for p in data["patches"]}
+    assert statuses["megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.forward"] == "applied"
+    assert not [t for t, s in statuses.items() if s in ("failed", "pending")], statuses
+
+
+def test_launcher_patches_every_python_process_it_starts(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent("""
+        import subprocess, sys
+        import megatron_adapt
+        from megatron_adapt import core
+        print('PARENT', core.active_backend().name)
+        out = subprocess.run([sys.executable, '-c', 'from megatron_adapt import core; print(core.active_backend().name)'],
+                             capture_output=True, text=True).stdout
+        print('CHILD', out.strip())
+    """))
+    report_path = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_ADAPT_AUTO"}
+    env.update(PYTHONWARNINGS="ignore", MEGATRON_ADAPT_REPORT=str(report_path))
+    proc = subprocess.run([sys.executable, "-m", "megatron_adapt.launcher", sys.executable, str(script)],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "PARENT cpu" in proc.stdout and "CHILD cpu" in proc.stdout, proc.stdout
+    assert json.loads(report_path.read_text())["backend"] == "cpu"
+
+
+def test_disable_environment_switch():
+    proc = run_python("import megatron_adapt; megatron_adapt.apply('cpu');"
+                      "import megatron.core.tensor_parallel as tp;"
+                      "print(megatron_adapt.report(as_json=True)['patches'][0]['status'])",
+                      env={"MEGATRON_ADAPT_DISABLE": "jit,softmax"})
+    assert proc.stdout.strip().endswith("disabled")
