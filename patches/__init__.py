@@ -15,6 +15,7 @@ AREAS = (
     "rope",
     "activations",
     "optimizer",
+    "checkpointing",
     "multi_tensor",
     "startup_report",
 )

@@ -1,0 +1,51 @@
+"""Resuming distributed-optimizer checkpoints when the optimizer is PyTorch's Adam.
+
+Without Transformer Engine or apex (`distrib_optimizer.HAVE_APEX_OR_TE = False`: every cpu and npu
+run, and cuda runs without either library), `DistributedOptimizer.state_dict()` reads Adam's step
+from the inner optimizer's per-parameter state and asserts that there is exactly one value. On
+`--load`, Megatron calls it (through `sharded_state_dict(is_loading=True)`) on a freshly built
+optimizer whose state is still empty, to get the *template* the checkpoint is loaded into: the
+assert fires and stock Megatron cannot resume `--use-distributed-optimizer` checkpoints on that path.
+
+The wrapper gives that one call a step to read: while the inner state is empty it briefly holds a
+single `{"step": 0}` entry, so Megatron's own state_dict() runs unchanged (the "state" key is not
+part of what it returns). The template's step is a placeholder: `load_state_dict` takes the
+step from the checkpoint. With the state populated (after a step or a load) nothing changes.
+"""
+import sys
+
+import torch
+
+from megatron_adapt.spec import PatchSpec, SkipPatch
+
+MODULE = "megatron.core.optimizer.distrib_optimizer"
+
+
+def build_state_dict(backend, original):
+    module = sys.modules[MODULE]
+    if getattr(module, "HAVE_APEX_OR_TE", True):
+        raise SkipPatch("Transformer Engine / apex optimizer: its step lives in param_groups")
+
+    def state_dict(self):
+        inner = getattr(self, "optimizer", None)
+        state = getattr(inner, "state", None)
+        if inner is None or state is None or len(state) > 0 or getattr(self, "is_stub_optimizer", False):
+            return original(self)
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if not params:
+            return original(self)
+        state[params[0]] = {"step": torch.tensor(0.0)}
+        try:
+            return original(self)
+        finally:
+            state.pop(params[0], None)
+    state_dict.__doc__ = original.__doc__
+    return state_dict
+
+
+SPECS = [
+    # A plain replacement calling the original: the applier's identity check cannot see a wrapt
+    # wrapper installed on a class (class attribute access returns a bound wrapper).
+    PatchSpec(f"{MODULE}:DistributedOptimizer.state_dict", area="checkpointing",
+              build=build_state_dict),
+]
