@@ -148,6 +148,20 @@ def _launch_cfg(n):
     return CHUNK, True, 8
 
 
+_RESIDENT: dict = {}  # backward config -> programs that fit on one SM at once
+
+
+def _resident_programs(kernel, warps):
+    """How many programs of the compiled backward fit on one SM together (registers, threads),
+    so the persistent grid is exactly one wave: a second partial wave would cost a whole row
+    pass. Two (safe up to 128 registers a thread) until a compiled kernel says otherwise."""
+    regs = getattr(kernel, "n_regs", 0)
+    if not regs:
+        return 2
+    threads = 32 * warps
+    return max(1, min(65536 // (regs * threads), 2048 // threads, 8))
+
+
 class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, is_rms):
@@ -177,14 +191,17 @@ class _Norm(torch.autograd.Function):
         dy2 = dy.reshape(-1, n).contiguous()
         dx = torch.empty_like(x2)
         block, loop, warps = _launch_cfg(n)
-        g = num_programs(x2.device, rows)
+        key = (ctx.is_rms, ctx.has_bias, block, loop, warps, x2.dtype, w.dtype, x2.device)
+        g = num_programs(x2.device, rows, per_sm=_RESIDENT.get(key, 2))
         alloc = torch.zeros if loop else torch.empty
         dw_part = alloc((g, n), dtype=torch.float32, device=x2.device)
         db_part = alloc((g, n), dtype=torch.float32, device=x2.device) if ctx.has_bias else dw_part
         if rows:
-            _norm_bwd[(g,)](x2, w, dy2, dx, mean, rstd, dw_part, db_part, rows, n, g,
-                            IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BLOCK=block, LOOP=loop,
-                            num_warps=warps)
+            k = _norm_bwd[(g,)](x2, w, dy2, dx, mean, rstd, dw_part, db_part, rows, n, g,
+                                IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BLOCK=block, LOOP=loop,
+                                num_warps=warps)
+            if key not in _RESIDENT:
+                _RESIDENT[key] = _resident_programs(k, warps)
             dw = dw_part.sum(0).to(ctx.wdtype)
             db = db_part.sum(0).to(ctx.bdtype) if ctx.has_bias else None
         else:

@@ -18,7 +18,7 @@ from ._common import fallback, kernel_reason, next_pow2, warps_for
 
 MAX_FUSED = 16384
 CHUNK = 4096
-MASK_VALUE = -10000.0
+MASK_VALUE = tl.constexpr(-10000.0)
 
 
 @triton.jit
