@@ -1,0 +1,241 @@
+"""Stock Megatron-LM scripts, unmodified, on the cpu backend over gloo.
+
+Each test launches `megatron-adapt-run torchrun --nproc-per-node 2 <script> ...` in a subprocess
+(the way a user would) and checks the exit code, that the loss is printed and falls, that
+checkpoints are written and a second run resumes from the saved iteration, and that the start-up
+report shows the patches applied. Every fused-kernel flag is left at Megatron's default, except
+gradient-accumulation fusion (see GRAD_ACCUM_FLAGS).
+
+Needs MEGATRON_LM_PATH: a Megatron-LM checkout matching the installed megatron-core (tag
+core_v<version>). Each launch costs ~15-25 s on two CPU cores; the file takes ~4-5 minutes.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+LM = os.environ.get("MEGATRON_LM_PATH")
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [
+    pytest.mark.skipif(not LM, reason="MEGATRON_LM_PATH is not set: these tests run Megatron-LM's "
+                       "pretrain_gpt.py and examples from a checkout (tag core_v<megatron-core version>)"),
+    pytest.mark.skipif(bool(LM) and not os.path.isfile(os.path.join(LM or "", "pretrain_gpt.py")),
+                       reason=f"MEGATRON_LM_PATH={LM} has no pretrain_gpt.py"),
+    pytest.mark.skipif(shutil.which("megatron-adapt-run") is None or shutil.which("torchrun") is None,
+                       reason="megatron-adapt-run / torchrun not on PATH (pip install -e .)"),
+]
+
+# Megatron's default --gradient-accumulation-fusion needs apex's fused_weight_gradient_mlp_cuda
+# extension; megatron-adapt does not provide it yet (test_default_gradient_accumulation_fusion
+# tracks it). Every other fusion flag stays at Megatron's default.
+GRAD_ACCUM_FLAGS = ["--no-gradient-accumulation-fusion"]
+
+TINY_GPT = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64",
+    "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--split", "949,50,1",
+    "--transformer-impl", "local",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-decay-iters", "20",
+    "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234",
+    "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
+]
+LLAMA = ["--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+         "--untie-embeddings-and-output-weights"]
+
+# Rows of the start-up table that must say "applied" on the pretrain_gpt path.
+REQUIRED_PATCHES = (
+    "megatron.training.initialize:initialize_megatron",
+    "megatron.core.jit:jit_fuser",
+    "megatron.core.tensor_parallel.random:_set_cuda_rng_state",
+    "megatron.core.tensor_parallel.cross_entropy:vocab_parallel_cross_entropy",
+    "megatron.core.transformer.torch_norm:WrappedTorchNorm",
+    "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.forward",
+    "megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
+    "megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb",
+)
+
+ITER_RE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?lm loss: ([0-9.]+E[+-]\d+)")
+ROW_RE = re.compile(r"^(\w+)\s+(\S+:\S+)\s+(applied|skipped|failed|pending|disabled|reverted)\b", re.M)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.update(MEGATRON_LM_PATH=LM, OMP_NUM_THREADS="1", MEGATRON_ADAPT_BACKEND="cpu",
+               PYTHONUNBUFFERED="1")
+    for var in ("MEGATRON_ADAPT_AUTO", "MEGATRON_ADAPT_QUIET", "MEGATRON_ADAPT_DISABLE"):
+        env.pop(var, None)
+    return env
+
+
+class Run:
+    def __init__(self, proc: subprocess.CompletedProcess, log: Path):
+        self.rc, self.out, self.log = proc.returncode, proc.stdout, log
+        self.losses = {int(i): float(loss) for i, _, loss in ITER_RE.findall(self.out)}
+
+    def check(self):
+        assert self.rc == 0, f"exit code {self.rc}; log {self.log}:\n{self.out[-6000:]}"
+        assert self.losses, f"no 'lm loss' printed; log {self.log}:\n{self.out[-3000:]}"
+        return self
+
+
+def launch(script: str, args: list[str], tmp: Path, name: str, cwd: Path | None = None,
+           timeout: int = 300) -> Run:
+    cmd = ["megatron-adapt-run", "torchrun", "--nproc-per-node", "2", "--master-port",
+           str(_free_port()), os.path.join(LM, script), *args]
+    proc = subprocess.run(cmd, env=_env(), cwd=cwd or tmp, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    log = tmp / f"{name}.log"
+    log.write_text(" ".join(cmd) + "\n" + proc.stdout)
+    return Run(proc, log)
+
+
+def pretrain(args: list[str], tmp: Path, name: str, iters: int = 10) -> Run:
+    return launch("pretrain_gpt.py", [*TINY_GPT, "--train-iters", str(iters), *GRAD_ACCUM_FLAGS, *args],
+                  tmp, name)
+
+
+def assert_loss_falls(run: Run, first: int = 1, by: float = 0.3):
+    losses = run.losses
+    last = max(losses)
+    assert losses[last] < losses[first] - by, f"loss did not fall: {losses}"
+
+
+def assert_patched(run: Run, required=REQUIRED_PATCHES):
+    assert "megatron-adapt: backend=cpu" in run.out, "no start-up report on rank 0"
+    rows = {target: status for _, target, status in ROW_RE.findall(run.out)}
+    failed = {t: s for t, s in rows.items() if s in ("failed", "pending")}
+    assert not failed, f"patches not applied: {failed}"
+    missing = [t for t in required if rows.get(t) != "applied"]
+    assert not missing, f"not applied: {missing}; table: {rows}"
+
+
+def save_and_resume(extra: list[str], tmp: Path, name: str) -> tuple[Run, Run]:
+    """10 iterations saving at 5 and 10, then a second run that loads iteration 10 and goes to 15.
+
+    Raising --train-iters on resume needs --override-opt_param-scheduler: Megatron asserts that the
+    checkpointed scheduler matches the new one, and its weight-decay horizon is
+    train_iters * global_batch_size (this is Megatron's behaviour on any hardware).
+    """
+    ckpt = tmp / f"ckpt_{name}"
+    save = ["--save", str(ckpt), "--save-interval", "5"]
+    first = pretrain([*extra, *save], tmp, f"{name}_save").check()
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    for it in ("iter_0000005", "iter_0000010"):
+        assert (ckpt / it / "metadata.json").is_file(), f"no torch_dist checkpoint {ckpt / it}"
+        assert list((ckpt / it).glob("*.distcp")), f"no shards in {ckpt / it}"
+    second = pretrain([*extra, *save, "--load", str(ckpt), "--override-opt_param-scheduler"],
+                      tmp, f"{name}_resume", iters=15).check()
+    assert f"loading distributed checkpoint from {ckpt} at iteration 10" in second.out
+    assert "successfully loaded checkpoint" in second.out
+    assert min(second.losses) == 11 and max(second.losses) == 15, second.losses
+    # The resumed run continues the first run's curve instead of starting over.
+    assert abs(second.losses[11] - first.losses[10]) < 0.25, (first.losses, second.losses)
+    assert second.losses[11] < first.losses[1] - 0.3, (first.losses, second.losses)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "15"
+    return first, second
+
+
+def test_tp2_bf16_save_and_resume(tmp_path):
+    first, second = save_and_resume(["--tensor-model-parallel-size", "2", "--bf16"], tmp_path, "tp2")
+    assert_patched(first)
+    assert_loss_falls(first)
+    assert "[ t 1/2, p 1/1 ]" in second.out
+
+
+def test_tp2_sequence_parallel_bf16(tmp_path):
+    run = pretrain(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"],
+                   tmp_path, "tp2_sp").check()
+    assert_patched(run)
+    assert_loss_falls(run)
+
+
+def test_pp2_bf16_save_and_resume(tmp_path):
+    first, second = save_and_resume(["--pipeline-model-parallel-size", "2", "--bf16"], tmp_path, "pp2")
+    assert_patched(first)
+    assert_loss_falls(first)
+    assert "[ t 1/1, p 1/2 ]" in second.out
+
+
+def test_dp2_distributed_optimizer_bf16_save_and_resume(tmp_path):
+    first, second = save_and_resume(["--use-distributed-optimizer", "--bf16"], tmp_path, "dp2_distopt")
+    # Stock Megatron without TE/apex asserts in DistributedOptimizer.state_dict on --load.
+    assert_patched(second, required=REQUIRED_PATCHES + (
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict",))
+    assert_loss_falls(first)
+
+
+def test_llama_like_tp2_sp_bf16(tmp_path):
+    """swiglu + rope (with Megatron's default --rope-fusion) + RMSNorm, untied output layer."""
+    run = pretrain(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16", *LLAMA],
+                   tmp_path, "llama_tp2_sp").check()
+    assert_patched(run)
+    assert_loss_falls(run)
+
+
+def test_launch_script_fp16_llama_sliding_window(tmp_path):
+    """tests_gpt/pretrain_gpt_fp16.sh: fp16 with loss scaling, PP=2, llama-like, --pre/--next window."""
+    env = _env()
+    env.update(PP="2", LLAMA="1", ITERS="10", MASTER_PORT=str(_free_port()))
+    proc = subprocess.run([str(REPO / "tests_gpt" / "pretrain_gpt_fp16.sh"), "--shape_order", "SBH",
+                           "--pre=16", "--next=0"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    (tmp_path / "script.log").write_text(proc.stdout)
+    run = Run(proc, tmp_path / "script.log").check()
+    assert "--window-size 16,0" in run.out and "--fp16" in run.out
+    assert_patched(run)
+    assert_loss_falls(run)
+
+
+def test_launch_script_refuses_bsh(tmp_path):
+    proc = subprocess.run([str(REPO / "tests_gpt" / "pretrain_gpt_distributed.sh"), "--shape_order", "BSH"],
+                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.returncode == 2 and "no batch-first option" in proc.stdout
+
+
+def test_simple_mcore_train_loop_example(tmp_path):
+    """examples/run_simple_mcore_train_loop.py hard-codes nccl, torch.cuda.set_device, .to("cuda")
+    and TP=2. It trains 5 iterations, saves a torch_dist checkpoint into ./ckpt and loads it.
+
+    Its loss stays at ~ln(100) on any device (it steps torch.optim.Adam on .grad while Megatron's DDP
+    accumulates into .main_grad), so only completion is asserted, not a falling loss.
+    """
+    run = launch("examples/run_simple_mcore_train_loop.py", [], tmp_path, "simple_loop")
+    assert run.rc == 0, f"exit code {run.rc}; log {run.log}:\n{run.out[-6000:]}"
+    assert re.search(r"Iteration 4: Losses reduced: \[\{'lm loss': tensor\(4\.\d+", run.out), run.out[-3000:]
+    assert "Successfully loaded the model" in run.out
+    assert (tmp_path / "ckpt" / "metadata.json").is_file()
+    assert_patched(run, required=())
+
+
+def test_default_gradient_accumulation_fusion(tmp_path):
+    """Megatron's default --gradient-accumulation-fusion, with no flag at all.
+
+    xfails (cleanly, within seconds) while megatron-adapt provides no stand-in for apex's
+    fused_weight_gradient_mlp_cuda; passes on its own once it does.
+    """
+    args = [a for a in TINY_GPT] + ["--train-iters", "6", "--tensor-model-parallel-size", "2", "--bf16"]
+    run = launch("pretrain_gpt.py", args, tmp_path, "grad_accum_fusion")
+    if run.rc != 0 and "fused_weight_gradient_mlp_cuda module is not found" in run.out:
+        pytest.xfail("gradient_accumulation_fusion needs fused_weight_gradient_mlp_cuda "
+                     "(megatron.core.tensor_parallel.layers:_grad_accum_fusion_available is False)")
+    run.check()
+    assert_loss_falls(run, by=0.2)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
