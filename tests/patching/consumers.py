@@ -201,6 +201,25 @@ def _():
             "foreach": bool(inner.defaults.get("foreach"))}
 
 
+@check("checkpointing")
+def _():
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model, config = make_model()
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True), [ddp])
+    dist_opt = opt if hasattr(opt, "optimizer") else opt.chained_optimizers[0]
+    try:
+        original("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict")(dist_opt)
+        original_fails = False
+    except AssertionError:
+        original_fails = True
+    template = dist_opt.state_dict()  # what Megatron builds on --load before reading the checkpoint
+    return {"original_fails_on_fresh_optimizer": original_fails, "ours_returns_template": isinstance(template, dict),
+            "inner_state_untouched": len(dist_opt.optimizer.state) == 0}
+
+
 @check("multi_tensor")
 def _():
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32

@@ -87,6 +87,15 @@ class TestOptimizer(PatchContract):
         assert res == {"calls": 1, "class": "AdamW", "foreach": True}, res
 
 
+class TestCheckpointing(PatchContract):
+    area = "checkpointing"
+
+    def test_fresh_distributed_optimizer_yields_a_load_template(self):
+        res = consumer("checkpointing")
+        assert res == {"original_fails_on_fresh_optimizer": True, "ours_returns_template": True,
+                       "inner_state_untouched": True}, res
+
+
 class TestMultiTensor(PatchContract):
     area = "multi_tensor"
 
