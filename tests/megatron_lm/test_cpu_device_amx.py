@@ -1,0 +1,42 @@
+"""The cpu device layer's oneDNN/AMX guard (needs megatron-core only, not a Megatron-LM checkout).
+
+On machines whose CPU lists AMX but faults executing it, any bf16 matmul kills the process with
+SIGILL; the device layer caps oneDNN below AMX after a forked probe. These run in subprocesses so
+oneDNN's ISA choice starts fresh.
+"""
+import subprocess
+import sys
+
+CODE = """
+import torch, megatron_adapt
+megatron_adapt.apply("cpu")
+from megatron_adapt.backends.cpu import device
+x = torch.randn(128, 64, dtype=torch.bfloat16)
+print("ok", tuple((x @ x.t()).shape), device.onednn_isa_note)
+megatron_adapt.revert()
+import os
+print("after revert", os.environ.get("ONEDNN_MAX_CPU_ISA"))
+"""
+
+
+def _run(env_extra):
+    import os
+
+    env = {**os.environ, "MEGATRON_ADAPT_AUTO": "0", "MEGATRON_ADAPT_QUIET": "1", **env_extra}
+    if "ONEDNN_MAX_CPU_ISA" not in env_extra:
+        env.pop("ONEDNN_MAX_CPU_ISA", None)
+    return subprocess.run([sys.executable, "-c", CODE], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_bf16_matmul_survives_under_cpu_backend():
+    proc = _run({})
+    assert proc.returncode == 0, f"rc={proc.returncode} (-4 is SIGILL)\n{proc.stderr[-3000:]}"
+    assert "ok (128, 128)" in proc.stdout
+    assert "after revert None" in proc.stdout  # the cap we set is removed on revert
+
+
+def test_user_isa_cap_is_respected():
+    proc = _run({"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "user cap ONEDNN_MAX_CPU_ISA=AVX2" in proc.stdout
+    assert "after revert AVX2" in proc.stdout
