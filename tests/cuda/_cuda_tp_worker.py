@@ -1,7 +1,8 @@
 """Worker for the TP=2 cross-entropy test: one process per rank, gloo, interpreted kernels.
 
 Kept apart from the test module so that a spawned child imports only torch before it sets
-TRITON_INTERPRET (triton reads it at import).
+TRITON_INTERPRET (triton reads it at import). With a GPU the ranks share it and run the
+compiled kernels (gloo all-reduces CUDA tensors); without one the kernels run interpreted.
 """
 import os
 
@@ -9,7 +10,9 @@ import torch
 
 
 def run(rank, world, init_file, logits, target, smoothing, grad_out, results):
-    os.environ["TRITON_INTERPRET"] = "1"   # CPU tensors + gloo: the kernel runs interpreted
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        os.environ["TRITON_INTERPRET"] = "1"   # CPU tensors + gloo: the kernel runs interpreted
     os.environ["MEGATRON_ADAPT_AUTO"] = "0"
     import torch.distributed as dist
 
@@ -18,6 +21,8 @@ def run(rank, world, init_file, logits, target, smoothing, grad_out, results):
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
+        if gpu:
+            logits, target, grad_out = logits.cuda(), target.cuda(), grad_out.cuda()
         part = logits.size(-1) // world
         local = logits[..., rank * part:(rank + 1) * part].clone().requires_grad_()
         inp = local * 1.0  # a non-leaf, as Megatron's logits: the gradient is written in place
@@ -25,6 +30,6 @@ def run(rank, world, init_file, logits, target, smoothing, grad_out, results):
         loss = vocab_parallel_cross_entropy(inp, target, smoothing, dist.group.WORLD)
         loss.backward(grad_out)
         counts = report.op_counts()["vocab_parallel_cross_entropy"]
-        results.put((rank, loss.detach().numpy(), local.grad.detach().numpy(), sorted(counts)))
+        results.put((rank, loss.detach().cpu().numpy(), local.grad.detach().cpu().numpy(), sorted(counts)))
     finally:
         dist.destroy_process_group()
