@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_python
+from adapt_testutil import run_python
 
 NOTHING_PATCHED = textwrap.dedent("""
     import torch, torch.distributed as dist

@@ -3,7 +3,7 @@ import json
 import os
 from functools import lru_cache
 
-from conftest import run_python
+from adapt_testutil import run_python
 
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe.py")
 

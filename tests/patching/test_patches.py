@@ -6,7 +6,7 @@ from functools import lru_cache
 
 import pytest
 
-from conftest import run_python
+from adapt_testutil import run_python
 from contract import PatchContract, specs_of
 
 CONSUMERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "consumers.py")
