@@ -199,6 +199,28 @@ def _wrap_new_group(original):
     return new_group
 
 
+_pending_sends: list = []  # (work, storage): storages of in-flight gloo sends, kept alive
+
+
+def _wrap_isend(original):
+    """Keep a send buffer's storage alive until gloo has sent it.
+
+    Megatron frees a pipeline stage's output right after posting its send
+    (`deallocate_output_tensor` swaps `out.data` for a 1-element tensor). On CUDA the caching
+    allocator keeps the memory until NCCL's stream is done with it; gloo reads the raw pointer
+    later, from freed memory, whenever the send is still in flight: the interleaved (VPP) schedule
+    overlaps p2p and waits for sends late, and the next stage received garbage (NaN losses).
+    """
+    def isend(tensor, *args, **kwargs):
+        work = original(tensor, *args, **kwargs)
+        if work is not None:
+            if len(_pending_sends) > 64:
+                _pending_sends[:] = [(w, st) for w, st in _pending_sends if not w.is_completed()]
+            _pending_sends.append((work, tensor.untyped_storage()))
+        return work
+    return isend
+
+
 def _wrap_barrier(original):
     def barrier(group=None, async_op=False, device_ids=None):
         return original(group=group, async_op=async_op)
@@ -296,6 +318,13 @@ def install() -> None:
         for name, wrap in (("init_process_group", _wrap_init_process_group),
                            ("new_group", _wrap_new_group), ("barrier", _wrap_barrier)):
             _set(dist, name, wrap(getattr(dist, name)))
+        # Both names: P2POp validates its op against distributed_c10d's own `isend` global.
+        from torch.distributed import distributed_c10d
+
+        isend = _wrap_isend(distributed_c10d.isend)
+        _set(dist, "isend", isend)
+        if distributed_c10d is not dist:
+            _set(distributed_c10d, "isend", isend)
     from torch.autograd.function import BackwardCFunction
 
     _set(BackwardCFunction, "apply", _wrap_backward_apply(BackwardCFunction.apply))
