@@ -52,3 +52,13 @@ def report():
     yield rep
     rep.reset_op_counts()
     rep.set_context(strict=False)
+
+
+@pytest.fixture(autouse=True)
+def _keep_global_rng():
+    """These tests seed torch's global RNG; leave it as found for whatever runs next."""
+    import torch
+
+    state = torch.get_rng_state()
+    yield
+    torch.set_rng_state(state)
