@@ -126,6 +126,10 @@ def _train(rank: int, cfg: RunConfig):
                      post_process=parallel_state.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=False,
                      position_embedding_type=cfg.position_embedding).to(device)
+    if cfg.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     if cfg.init_from:
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), cfg.init_from))
     if cfg.save_init_to:

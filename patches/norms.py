@@ -36,8 +36,9 @@ def build(backend, original):
             self.rms = config.normalization == "RMSNorm"
             self.zero_centered_gamma = config.layernorm_zero_centered_gamma or zero_centered_gamma
             init = torch.zeros if self.zero_centered_gamma else torch.ones
-            self.weight = torch.nn.Parameter(init(hidden_size))
-            self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size))
+            dtype = config.params_dtype  # as TENorm: Megatron may build a bf16 model without Float16Module
+            self.weight = torch.nn.Parameter(init(hidden_size, dtype=dtype))
+            self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
             for p in (self.weight, self.bias):
                 if p is not None:
                     p.sequence_parallel = bool(config.sequence_parallel)
