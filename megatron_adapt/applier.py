@@ -223,7 +223,8 @@ def apply_spec(spec: PatchSpec, backend, config, version) -> None:
                     inst.sites.append((d, key))
                     rec.sites.append(f"{name}:{key}")
     bad = [s for (d, k), s in zip(inst.sites, rec.sites[1:]) if d[k] is not new]
-    if getattr(owner, attr) is not new or bad:
+    current = vars(owner).get(attr) if isinstance(owner, type) else getattr(owner, attr)
+    if current is not new or bad:  # (on a class, getattr would bind a wrapt wrapper)
         rec.status, rec.reason = report.FAILED, f"verification failed at {bad or spec.target}"
         raise PatchError(f"{spec.target}: {rec.reason}")
     rec.unrebound = _find_unrebound(inst)
