@@ -15,6 +15,25 @@ from megatron_adapt.errors import BackendUnavailableError, UnknownBackendError
 
 NAMES = ("cpu", "cuda", "npu")
 
+# Where each op of megatron_adapt.ops lives inside a backend package: one module per op family.
+STANDARD_LAYOUT = {
+    "vocab_parallel_cross_entropy": ".cross_entropy:vocab_parallel_cross_entropy",
+    "rms_norm": ".norms:rms_norm",
+    "layer_norm": ".norms:layer_norm",
+    "scaled_masked_softmax": ".softmax:scaled_masked_softmax",
+    "attention": ".attention:attention",
+    "rope": ".rope:rope",
+    "swiglu": ".activations:swiglu",
+    "bias_swiglu": ".activations:bias_swiglu",
+    "bias_gelu": ".activations:bias_gelu",
+    "adam": ".optimizers:Adam",
+    "sgd": ".optimizers:SGD",
+    "multi_tensor_l2norm": ".multi_tensor:l2norm",
+    "multi_tensor_scale": ".multi_tensor:scale",
+    "rng_get_state": ".rng:get_state",
+    "rng_set_state": ".rng:set_state",
+}
+
 
 @dataclass
 class Backend:

@@ -9,28 +9,12 @@ reported with report.fell_back. Verified against an emulation of the torch_npu o
 Targets Ascend Extension for PyTorch 6.0.0 and later: torch_npu 2.1.0.post10+, 2.4.0.post2+,
 2.5.1 and 2.6.0 (see TARGET_TORCH_NPU).
 """
-from megatron_adapt.backends import Backend
+from megatron_adapt.backends import STANDARD_LAYOUT, Backend
 from megatron_adapt.errors import BackendUnavailableError
 
 TARGET_TORCH_NPU = ("2.1.0.post10", "2.4.0.post2", "2.5.1", "2.6.0")
 
-OPS = {
-    "vocab_parallel_cross_entropy": ".cross_entropy:vocab_parallel_cross_entropy",
-    "rms_norm": ".norms:rms_norm",
-    "layer_norm": ".norms:layer_norm",
-    "scaled_masked_softmax": ".softmax:scaled_masked_softmax",
-    "attention": ".attention:attention",
-    "rope": ".rope:rope",
-    "swiglu": ".activations:swiglu",
-    "bias_swiglu": ".activations:bias_swiglu",
-    "bias_gelu": ".activations:bias_gelu",
-    "adam": ".optimizers:Adam",
-    "sgd": ".optimizers:SGD",
-    "multi_tensor_l2norm": ".multi_tensor:l2norm",
-    "multi_tensor_scale": ".multi_tensor:scale",
-    "rng_get_state": ".rng:get_state",
-    "rng_set_state": ".rng:set_state",
-}
+OPS = dict(STANDARD_LAYOUT)
 
 
 def check():
