@@ -14,6 +14,11 @@ def _rotate_half(x, interleaved):
 
 def rope(t, freqs, interleaved=False, mscale=1.0):
     report.ran("rope", "cpu.torch")
+    return rope_math(t, freqs, interleaved, mscale)
+
+
+def rope_math(t, freqs, interleaved=False, mscale=1.0):
+    """The formula alone (no report entry): other backends' reported fallbacks call it."""
     rot = freqs.size(-1)
     t_rot, t_pass = t[..., :rot], t[..., rot:]
     cos = (torch.cos(freqs) * mscale).to(t.dtype)

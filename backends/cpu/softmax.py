@@ -21,6 +21,11 @@ def build_mask(sq, sk, causal, window_size, mask, device):
 
 def scaled_masked_softmax(scores, mask, scale, causal, window_size=None, softmax_in_fp32=True):
     report.ran("scaled_masked_softmax", "cpu.torch")
+    return softmax_math(scores, mask, scale, causal, window_size, softmax_in_fp32)
+
+
+def softmax_math(scores, mask, scale, causal, window_size=None, softmax_in_fp32=True):
+    """The math alone (no report entry): other backends' reported fallbacks call it."""
     x = scores.float() if softmax_in_fp32 else scores
     if scale is not None and scale != 1.0:
         x = x * scale

@@ -15,6 +15,8 @@ import torch
 
 from megatron_adapt import report
 
+from megatron_adapt.backends.cpu.rope import rope_math as _reference
+
 from ._lib import torch_npu
 
 IMPL = "npu.torch_npu.npu_rotary_mul"
@@ -23,21 +25,6 @@ MAX_D, MAX_BN = 896, 1000
 _state = {"interleave": None}   # None: not probed yet; then True / False
 
 
-def _rotate_half(x, interleaved):
-    if not interleaved:
-        x1, x2 = torch.chunk(x, 2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
-    x1, x2 = x[..., ::2], x[..., 1::2]
-    return torch.stack((-x2, x1), dim=-1).view(x.shape)
-
-
-def _reference(t, freqs, interleaved, mscale):
-    rot = freqs.size(-1)
-    t_rot, t_pass = t[..., :rot], t[..., rot:]
-    cos = (torch.cos(freqs) * mscale).to(t.dtype)
-    sin = (torch.sin(freqs) * mscale).to(t.dtype)
-    out = t_rot * cos + _rotate_half(t_rot, interleaved) * sin
-    return torch.cat((out, t_pass), dim=-1) if t_pass.numel() else out
 
 
 def unsupported(t, freqs, interleaved) -> str | None:

@@ -11,7 +11,8 @@ Megatron's fused softmax is for; fp32 scores take the reference (reported).
 import torch
 
 from megatron_adapt import report
-from megatron_adapt.backends.cpu.softmax import MASK_VALUE, build_mask
+from megatron_adapt.backends.cpu.softmax import build_mask
+from megatron_adapt.backends.cpu.softmax import softmax_math as _reference
 
 from ._lib import torch_npu
 
@@ -19,17 +20,6 @@ IMPL = "npu.torch_npu.npu_scaled_masked_softmax"
 FALLBACK = "npu.torch (reference)"
 DTYPES = (torch.float16, torch.bfloat16)
 MIN_S, MAX_S, ALIGN = 32, 4096, 32
-
-
-def _reference(scores, mask, scale, causal, window_size, softmax_in_fp32):
-    """The cpu backend's math (torch ops, on the NPU), without its report entry."""
-    x = scores.float() if softmax_in_fp32 else scores
-    if scale is not None and scale != 1.0:
-        x = x * scale
-    m = build_mask(x.size(-2), x.size(-1), causal, window_size, mask, x.device)
-    if m is not None:
-        x = x.masked_fill(m, MASK_VALUE)
-    return torch.softmax(x, dim=-1).to(scores.dtype)
 
 
 def unsupported(scores, mask) -> str | None:
