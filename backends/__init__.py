@@ -30,6 +30,7 @@ STANDARD_LAYOUT = {
     "sgd": ".optimizers:SGD",
     "multi_tensor_l2norm": ".multi_tensor:l2norm",
     "multi_tensor_scale": ".multi_tensor:scale",
+    "wgrad_accumulate": ".matmul:wgrad_accumulate",
     "rng_get_state": ".rng:get_state",
     "rng_set_state": ".rng:set_state",
 }

@@ -38,6 +38,8 @@ _generation = 0                         # bumps on revert so stale import hooks 
 
 
 def is_ours(obj) -> bool:
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return False  # shared singletons / interned values: identity says nothing about who set them
     return id(obj) in _ours and _ours[id(obj)] is obj
 
 
@@ -58,6 +60,8 @@ def _resolve(spec: PatchSpec):
             if attr in vars(klass):
                 return owner, attr, vars(klass)[attr], attr in vars(owner)
         raise AttributeError(f"{owner.__qualname__} has no attribute {attr!r}")
+    if spec.create and not hasattr(owner, attr):
+        return owner, attr, None, False  # created by apply, deleted by revert
     return owner, attr, getattr(owner, attr), True
 
 
@@ -125,6 +129,8 @@ def _describe_referrer(container, original) -> str | None:
                     if inspect.isfunction(fn) and fn.__closure__ is holder:
                         if fn.__qualname__.startswith(getattr(original, "__qualname__", "?") + "."):
                             return None  # the original class's own methods (super()'s __class__ cell)
+                        if fn.__module__ == "typing":
+                            return None  # typing.Protocol's subclass hook holds the class, never calls it
                         return f"closure of {fn.__module__}.{fn.__qualname__}"
         return "closure cell"
     return type(container).__name__

@@ -13,6 +13,8 @@ ENV_DISABLE = "MEGATRON_ADAPT_DISABLE"
 ENV_REPORT = "MEGATRON_ADAPT_REPORT"
 ENV_AUTO = "MEGATRON_ADAPT_AUTO"  # "0": `import megatron_adapt` does not apply (library / test use)
 ENV_QUIET = "MEGATRON_ADAPT_QUIET"  # "1": no start-up table on rank 0
+ENV_ATTENTION_LAYOUT = "MEGATRON_ADAPT_ATTENTION_LAYOUT"  # sbhd (SBH) | bshd (BSH)
+ATTENTION_LAYOUTS = {"sbhd": "sbhd", "sbh": "sbhd", "bshd": "bshd", "bsh": "bshd"}
 
 
 def _truthy(value: str | None) -> bool:
@@ -23,6 +25,15 @@ def _split(value: str | None) -> frozenset[str]:
     return frozenset(p.strip() for p in (value or "").split(",") if p.strip())
 
 
+def _layout(value: str | None) -> str:
+    key = (value or "sbhd").strip().lower()
+    if key not in ATTENTION_LAYOUTS:
+        from .errors import ConfigError
+        raise ConfigError(f"{ENV_ATTENTION_LAYOUT}={value!r}: expected SBH/sbhd (Megatron's "
+                          "[seq, batch, head, dim] order) or BSH/bshd (batch-first)")
+    return ATTENTION_LAYOUTS[key]
+
+
 @dataclass(frozen=True)
 class Config:
     backend: str = "auto"
@@ -30,6 +41,7 @@ class Config:
     disabled: frozenset[str] = field(default_factory=frozenset)
     report_path: str | None = None
     quiet: bool = False
+    attention_layout: str = "sbhd"  # memory order the attention kernel reads q/k/v in
 
     @classmethod
     def resolve(cls, backend: str | None = None, **switches) -> "Config":
@@ -42,7 +54,7 @@ class Config:
         disabled = set(_split(env.get(ENV_DISABLE)))
         disabled |= set(switches.pop("disable", ()) or ())
         for key in list(switches):
-            if key in ("strict", "report_path", "quiet"):
+            if key in ("strict", "report_path", "quiet", "attention_layout"):
                 continue
             value = switches.pop(key)
             if value is False:
@@ -57,6 +69,7 @@ class Config:
             disabled=frozenset(disabled),
             report_path=switches.get("report_path", env.get(ENV_REPORT) or None),
             quiet=switches.get("quiet", _truthy(env.get(ENV_QUIET))),
+            attention_layout=_layout(switches.get("attention_layout", env.get(ENV_ATTENTION_LAYOUT))),
         )
 
     def enabled(self, area: str) -> bool:

@@ -34,6 +34,11 @@ def active_backend():
     return _state.get("backend")
 
 
+def active_config() -> Config:
+    """The Config applied in this process (the environment's when nothing is applied)."""
+    return _state.get("config") or Config.resolve()
+
+
 def apply(backend: str | None = None, **switches):
     """Patch Megatron for `backend` (default: MEGATRON_ADAPT_BACKEND, else auto).
 

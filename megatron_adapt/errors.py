@@ -23,3 +23,7 @@ class StrictFallbackError(MegatronAdaptError):
 
 class PatchError(MegatronAdaptError):
     """A patch could not be applied (target missing, signature incompatible)."""
+
+
+class ConfigError(MegatronAdaptError, ValueError):
+    """A megatron-adapt setting (environment variable or argument) with a value it does not take."""

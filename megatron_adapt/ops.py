@@ -25,6 +25,9 @@ adam                        optimizer class, apex FusedAdam signature (params, l
 sgd                         optimizer class, torch.optim.SGD signature
 multi_tensor_l2norm         (tensors: list) -> fp32 scalar tensor, the l2 norm of all of them
 multi_tensor_scale          (srcs: list, dsts: list, scale: float) -> None; dst = src * scale
+wgrad_accumulate            (input [t, in], grad_output [t, out], main_grad [out, in]) -> None;
+                            main_grad += grad_output^T @ input in place (gradient-accumulation
+                            fusion; main_grad fp32 with bf16/fp16 operands, or all one dtype)
 rng_get_state               () -> state tensor of the generator Megatron calls "cuda"
 rng_set_state               (state) -> None
 """
@@ -32,5 +35,5 @@ rng_set_state               (state) -> None
 OPS = (
     "vocab_parallel_cross_entropy", "rms_norm", "layer_norm", "scaled_masked_softmax", "attention",
     "rope", "swiglu", "bias_swiglu", "bias_gelu", "adam", "sgd", "multi_tensor_l2norm",
-    "multi_tensor_scale", "rng_get_state", "rng_set_state",
+    "multi_tensor_scale", "wgrad_accumulate", "rng_get_state", "rng_set_state",
 )

@@ -25,6 +25,9 @@ class PatchSpec:
     check_signature: the replacement must accept every parameter the original accepts.
     optional: a missing target is "skipped" rather than "failed" (a module only some versions or
               installations have, e.g. megatron.training without a Megatron-LM checkout).
+    create:   a module global that may be absent (a name Megatron binds only when an optional
+              package imports, e.g. `fused_weight_gradient_mlp_cuda`) is created, with
+              build(backend, None); revert deletes it again. Present, it is replaced as usual.
     """
 
     target: str
@@ -35,6 +38,7 @@ class PatchSpec:
     backends: tuple[str, ...] = ("cpu", "cuda", "npu")
     check_signature: bool = True
     optional: bool = False
+    create: bool = False
 
     @property
     def module(self) -> str:

@@ -17,5 +17,7 @@ AREAS = (
     "optimizer",
     "checkpointing",
     "multi_tensor",
+    "grad_accum_fusion",
+    "layer_specs",
     "startup_report",
 )

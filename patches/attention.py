@@ -1,7 +1,9 @@
 """The local DotProductAttention core on the backend's attention op (SDPA-style, fused).
 
 Megatron's local core materialises [b, np, sq, sk] scores through baddbmm + softmax + bmm. The op
-takes q/k/v as [b, h, s, d] views of Megatron's [s, b, h, d] tensors, GQA without repeating k/v,
+takes q/k/v as [b, h, s, d] views of Megatron's [s, b, h, d] tensors (or, with
+MEGATRON_ADAPT_ATTENTION_LAYOUT=bshd / tests_gpt's --shape_order BSH, of batch-first copies:
+the kernel then reads [b, s, h, d] memory, the layout flash kernels are written for), GQA without repeating k/v,
 causal / padding / arbitrary masks, sliding windows and dropout (under the model-parallel RNG
 tracker, as Megatron's dropout is). Softmax offsets, attention bias and packed sequences keep
 Megatron's own path, reported as a fallback.
@@ -14,6 +16,8 @@ from megatron_adapt.spec import PatchSpec
 
 def build(backend, original):
     attention = backend.op("attention")
+    from megatron_adapt.core import active_config
+    batch_first = active_config().attention_layout == "bshd"
     from megatron.core import tensor_parallel
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -47,9 +51,12 @@ def build(backend, original):
         rng = (tensor_parallel.get_cuda_rng_tracker().fork()
                if dropout_p > 0 and not self.config.sequence_parallel else contextlib.nullcontext())
         sq, b = query.size(0), query.size(1)
+        if batch_first:  # [s, b, h, d] -> contiguous [b, s, h, d], seen as [b, h, s, d]
+            q, k, v = (t.transpose(0, 1).contiguous().transpose(1, 2) for t in (query, key, value))
+        else:
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         with rng:
-            out = attention(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
-                            attn_mask=mask, causal=causal, scale=scale, dropout_p=dropout_p,
+            out = attention(q, k, v, attn_mask=mask, causal=causal, scale=scale, dropout_p=dropout_p,
                             window_size=window)
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)

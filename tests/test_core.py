@@ -167,3 +167,31 @@ def test_disable_environment_switch():
                       "print(megatron_adapt.report(as_json=True)['patches'][0]['status'])",
                       env={"MEGATRON_ADAPT_DISABLE": "jit,softmax"})
     assert proc.stdout.strip().endswith("disabled")
+
+
+def test_value_patches_sharing_a_singleton_both_apply_and_create_specs_revert_by_deleting():
+    """Two flags patched to the same value (True / False are singletons) are both applied: the
+    applier's "is this already ours" identity check must not mistake one for the other. A `create`
+    spec binds a name the module lacks and revert deletes it again."""
+    code = textwrap.dedent("""
+        import types
+        import megatron_adapt
+        from megatron_adapt import applier, report
+        from megatron_adapt.spec import PatchSpec
+        from megatron_adapt.config import Config
+        from megatron_adapt.versions import megatron_core_version
+        from megatron_adapt.backends import load
+        mod = types.ModuleType('megatron_fake_flags'); mod.A = False; mod.B = True
+        import sys; sys.modules[mod.__name__] = mod
+        specs = [PatchSpec('megatron_fake_flags:A', area='x', build=lambda b, o: True),
+                 PatchSpec('megatron_fake_flags:B', area='x', build=lambda b, o: False),
+                 PatchSpec('megatron_fake_flags:C', area='x', build=lambda b, o: ('made', o), create=True)]
+        for s in specs:
+            applier.apply_spec(s, load('cpu'), Config(), megatron_core_version())
+        print([report.patch_record(s).status for s in specs], mod.A, mod.B, mod.C)
+        applier.revert_all()
+        print(mod.A, mod.B, hasattr(mod, 'C'))
+    """)
+    out = run_python(code).stdout.splitlines()
+    assert out[-2] == "['applied', 'applied', 'applied'] True False ('made', None)", out
+    assert out[-1] == "False True False", out

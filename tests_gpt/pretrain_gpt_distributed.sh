@@ -29,13 +29,16 @@
 #                       Megatron asserts the checkpointed scheduler equals the new one and its
 #                       weight-decay horizon is train_iters*global_batch (so more --train-iters
 #                       after a resume always needs it; not a backend issue)
-#   GRAD_ACCUM_FUSION [0]  0: --no-gradient-accumulation-fusion. Megatron's default (on) needs
-#                       apex's fused_weight_gradient_mlp_cuda extension, which megatron-adapt does
-#                       not provide yet; 1 keeps Megatron's default.
+#   TRANSFORMER_IMPL [unset]  unset: Megatron's default (transformer_engine, served by megatron-adapt's
+#                       backend-native layer spec when TE is absent); local: --transformer-impl local
+#   ATTENTION_BACKEND [auto]  --attention-backend (auto|flash|fused|unfused|local)
+#   GRAD_ACCUM_FUSION [1]  1: Megatron's default --gradient-accumulation-fusion (weight gradients
+#                       accumulated into main_grad by the backend's wgrad op); 0: --no-gradient-accumulation-fusion
 #   MASTER_PORT [random free port]   OMP_NUM_THREADS [1]   LAUNCHER [megatron-adapt-run]
 #
 # Every fused-kernel flag stays at Megatron's default (persist-layer-norm, masked-softmax-fusion,
-# rope-fusion, bias-gelu/swiglu fusion): megatron-adapt serves them on each backend.
+# rope-fusion, bias-gelu/swiglu fusion, gradient-accumulation fusion) and so does
+# --transformer-impl (transformer_engine): megatron-adapt serves them on each backend.
 set -euo pipefail
 
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v<megatron-core version>)}"
@@ -43,7 +46,7 @@ NPROC=${NPROC:-2}; TP=${TP:-1}; PP=${PP:-1}; SP=${SP:-0}; DISTOPT=${DISTOPT:-0}
 PRECISION=${PRECISION:-fp32}; INITIAL_LOSS_SCALE=${INITIAL_LOSS_SCALE:-4096}; LLAMA=${LLAMA:-0}
 NLAYERS=${NLAYERS:-2}; HIDDEN=${HIDDEN:-64}; HEADS=${HEADS:-4}; SEQ=${SEQ:-64}; VOCAB=${VOCAB:-128}
 MBS=${MBS:-2}; GBS=${GBS:-8}; ITERS=${ITERS:-10}; LR=${LR:-1e-3}
-GRAD_ACCUM_FUSION=${GRAD_ACCUM_FUSION:-0}; LAUNCHER=${LAUNCHER:-megatron-adapt-run}
+GRAD_ACCUM_FUSION=${GRAD_ACCUM_FUSION:-1}; ATTENTION_BACKEND=${ATTENTION_BACKEND:-auto}; LAUNCHER=${LAUNCHER:-megatron-adapt-run}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 SHAPE_ORDER=SBH; PRE=""; NEXT=""; EXTRA=()
@@ -76,7 +79,7 @@ ARGS=(
     --seq-length "$SEQ" --max-position-embeddings "$SEQ"
     --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS"
     --mock-data --tokenizer-type NullTokenizer --vocab-size "$VOCAB" --split 949,50,1
-    --transformer-impl local
+    --attention-backend "$ATTENTION_BACKEND"
     --lr "$LR" --min-lr "$(python3 -c "print($LR / 10)")" --lr-decay-style cosine
     --weight-decay 0.01 --clip-grad 1.0 --seed 1234
     --log-interval 1 --eval-interval 1000 --eval-iters 1
@@ -93,6 +96,7 @@ esac
 [[ "$LLAMA" == 1 ]] && ARGS+=(--swiglu --position-embedding-type rope --normalization RMSNorm
                               --untie-embeddings-and-output-weights --disable-bias-linear)
 [[ "$GRAD_ACCUM_FUSION" == 1 ]] || ARGS+=(--no-gradient-accumulation-fusion)
+[[ -n "${TRANSFORMER_IMPL:-}" ]] && ARGS+=(--transformer-impl "$TRANSFORMER_IMPL")
 if [[ -n "$PRE" || -n "$NEXT" ]]; then
     ARGS+=(--window-size "${PRE:--1},${NEXT:-0}")
 fi

@@ -10,7 +10,8 @@ Signature relied on (Ascend Extension for PyTorch >= 6.0.0):
 
 The op contract hands us q/k/v as [b, h, s, d] views of Megatron's [s, b, h, d] tensors; we give
 the kernel layout "SBH" (Megatron's memory order, as MindSpeed does), so no copy is made for
-contiguous inputs. GQA: key/value carry hkv = hq / g heads in their H; head_num is hq.
+contiguous inputs. Views of batch-first memory ([b, s, h, d], MEGATRON_ADAPT_ATTENTION_LAYOUT=bshd)
+go as layout "BSH" instead, also without a copy. GQA: key/value carry hkv = hq / g heads in their H; head_num is hq.
 
 Masks (atten_mask: bool, True = masked; the kernel ignores sparse_mode and pre/next_tockens when
 atten_mask is None, so every sparse mode passes its mask):
@@ -101,6 +102,16 @@ def _sbh(t):
     return t.permute(2, 0, 1, 3).reshape(t.size(2), t.size(0), t.size(1) * t.size(3))
 
 
+def _bsh(t):
+    """[b, h, s, d] view -> [b, s, h*d] (free when t is a view of a contiguous [b, s, h, d])."""
+    return t.transpose(1, 2).reshape(t.size(0), t.size(2), t.size(1) * t.size(3))
+
+
+def _batch_first(t) -> bool:
+    """A view of contiguous [b, s, h, d] memory that is not also one of [s, b, h, d] (b == 1)."""
+    return t.transpose(1, 2).is_contiguous() and not t.permute(2, 0, 1, 3).is_contiguous()
+
+
 def attention(q, k, v, attn_mask=None, causal=False, scale=None, dropout_p=0.0, window_size=None):
     why = unsupported(q, k, v, attn_mask, window_size)
     if why:
@@ -120,8 +131,12 @@ def attention(q, k, v, attn_mask=None, causal=False, scale=None, dropout_p=0.0, 
     else:
         mask, sparse_mode = None, 0
     report.ran("attention", IMPL)
+    batch_first = all(_batch_first(t) for t in (q, k, v))
+    to_layout = _bsh if batch_first else _sbh
     out = torch_npu().npu_fusion_attention(
-        _sbh(q), _sbh(k), _sbh(v), hq, "SBH", atten_mask=mask,
+        to_layout(q), to_layout(k), to_layout(v), hq, "BSH" if batch_first else "SBH", atten_mask=mask,
         scale=1.0 / math.sqrt(d) if scale is None else float(scale), keep_prob=1.0 - float(dropout_p),
         pre_tockens=pre, next_tockens=nxt, sparse_mode=sparse_mode)[0]
+    if batch_first:
+        return out.view(b, sq, hq, d).transpose(1, 2)
     return out.view(sq, b, hq, d).permute(1, 2, 0, 3)

@@ -352,3 +352,45 @@ def test_every_op_of_the_contract_is_implemented():
     assert set(npu_backend.OPS) == set(OPS)
     for name in OPS:
         assert callable(npu_backend.BACKEND.op(name))
+
+
+# ---------------------------------------------------------------------- gradient-accumulation fusion
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wgrad_accumulate_into_fp32_main_grad(torch_npu, report, dtype):
+    torch.manual_seed(15)
+    x, dy = torch.randn(37, 24).to(dtype), torch.randn(37, 40).to(dtype)
+    main_grad = torch.randn(40, 24)
+    expect = main_grad + dy.float().t() @ x.float()
+    npu("wgrad_accumulate")(x, dy, main_grad)
+    torch.testing.assert_close(main_grad, expect, atol=1e-4, rtol=1e-5)
+    assert ops_ran(report, "wgrad_accumulate") == {"npu.torch_npu.npu_matmul_add_fp32": 1}
+
+
+def test_wgrad_accumulate_without_the_kernel_falls_back_reported(torch_npu, report, monkeypatch):
+    monkeypatch.delattr(torch_npu, "npu_matmul_add_fp32")
+    x, dy, main_grad = torch.randn(5, 3).bfloat16(), torch.randn(5, 4).bfloat16(), torch.zeros(4, 3)
+    npu("wgrad_accumulate")(x, dy, main_grad)
+    torch.testing.assert_close(main_grad, dy.float().t() @ x.float())
+    assert "no npu_matmul_add_fp32" in fallbacks(report, "wgrad_accumulate")["cpu.reference(wgrad_accumulate)"]
+
+
+def test_attention_batch_first_views_go_as_bsh(torch_npu, report, monkeypatch):
+    """q/k/v viewed from batch-first memory (MEGATRON_ADAPT_ATTENTION_LAYOUT=bshd) reach the kernel
+    as layout "BSH" with no copy, and give the same result as the SBH path."""
+    torch.manual_seed(16)
+    layouts = []
+    real = torch_npu.npu_fusion_attention
+
+    def spy(*args, **kwargs):
+        layouts.append(args[4])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch_npu, "npu_fusion_attention", spy)
+    s, b, h, d = 19, 2, 4, 8
+    sbhd = [torch.randn(s, b, h, d) for _ in range(3)]
+    bshd = [t.transpose(0, 1).contiguous() for t in sbhd]
+    out_sbh = npu("attention")(*(t.permute(1, 2, 0, 3) for t in sbhd), causal=True)
+    out_bsh = npu("attention")(*(t.transpose(1, 2) for t in bshd), causal=True)
+    assert layouts == ["SBH", "BSH"]
+    torch.testing.assert_close(out_bsh, out_sbh, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out_sbh, ref("attention")(*(t.permute(1, 2, 0, 3) for t in sbhd), causal=True),
+                               atol=2e-5, rtol=2e-5)

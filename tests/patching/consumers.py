@@ -271,4 +271,73 @@ def _():
     return {"helpers_import": True, "ops": report.op_counts().get("compile_helpers", {})}
 
 
+@check("grad_accum_fusion")
+def _():
+    """ColumnParallelLinear with Megatron's default gradient_accumulation_fusion: the weight
+    gradient lands in the fp32 main_grad (no .grad), equal to the unfused layer's .grad."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    out = {}
+    for fusion in (True, False):
+        torch.manual_seed(3)
+        config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4,
+                                   use_cpu_initialization=True, gradient_accumulation_fusion=fusion)
+        layer = ColumnParallelLinear(16, 24, config=config, init_method=torch.nn.init.normal_,
+                                     bias=False).bfloat16()
+        layer.weight.main_grad = torch.full((24, 16), 0.5)  # accumulates onto what is there
+        x = torch.randn(5, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+        before = counted("wgrad_accumulate")
+        y, _ = layer(x)
+        g = torch.randn_like(y)
+        y.backward(g)
+        expect = 0.5 + g.reshape(-1, 24).float().t() @ x.detach().reshape(-1, 16).float()
+        out[str(fusion)] = {
+            "calls": counted("wgrad_accumulate") - before,
+            "grad_is_none": layer.weight.grad is None,
+            "main_grad_matches": close(layer.weight.main_grad, expect, 1e-3),
+            "grad_matches": layer.weight.grad is not None and close(layer.weight.grad.float() + 0.5, expect, 3e-2),
+        }
+    return out
+
+
+@check("layer_specs")
+def _():
+    """Megatron's TE layer / block specs with TE absent: built from megatron-adapt's provider, with
+    TE's parameter names, and numerically the local spec's model (same init, same seed)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+
+    out = {}
+    for norm in ("LayerNorm", "RMSNorm"):
+        kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                  use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                  normalization=norm, gated_linear_unit=norm == "RMSNorm")
+        models = {}
+        for name in ("te", "te_block", "local"):
+            torch.manual_seed(0)
+            model_parallel_cuda_manual_seed(0)
+            config = TransformerConfig(**kw)
+            spec = (get_gpt_layer_with_transformer_engine_spec() if name == "te" else
+                    get_gpt_decoder_block_spec(config, use_transformer_engine=True) if name == "te_block" else
+                    get_gpt_layer_local_spec(normalization=norm))
+            models[name] = GPTModel(config, spec, vocab_size=64, max_sequence_length=16)
+        tokens = torch.randint(0, 64, (2, 16))
+        pos = torch.arange(16).unsqueeze(0).expand(2, -1)
+        mask = torch.ones(1, 1, 16, 16, dtype=torch.bool).triu(1)
+        before = counted("rms_norm" if norm == "RMSNorm" else "layer_norm")
+        logits = {n: m(tokens, pos, mask) for n, m in models.items()}
+        layer = models["te"].decoder.layers[0]
+        out[norm] = {
+            "qkv": type(layer.self_attention.linear_qkv).__name__,
+            "fc1": type(layer.mlp.linear_fc1).__name__,
+            "input_layernorm": type(layer.input_layernorm).__name__,
+            "final": type(models["te_block"].decoder.final_layernorm).__name__,
+            "keys": sorted(k for k in models["te"].state_dict() if "layers.0." in k and "norm" in k),
+            "norm_calls": counted("rms_norm" if norm == "RMSNorm" else "layer_norm") - before,
+            "matches_local": close(logits["te"], logits["local"], 1e-5),
+            "block_matches_local": close(logits["te_block"], logits["local"], 1e-5),
+        }
+    return out
+
+
 print("PROBE-JSON:" + json.dumps(results))

@@ -34,10 +34,16 @@ CONSUMER_MODULES = ["megatron.core.models.gpt.gpt_model", "megatron.core.models.
                     "megatron.core.optimizer", "megatron.core.optimizer.clip_grads"]
 
 
+MISSING = object()  # a name Megatron leaves unbound (a `create` spec's target before apply)
+CREATED = {s.target for s in SPECS if s.create}
+
+
 def lookup(path):
     module, qualname = path.split(":")
     obj = importlib.import_module(module)
     for part in qualname.split("."):
+        if path in CREATED and not isinstance(obj, type) and not hasattr(obj, part):
+            return MISSING
         obj = vars(obj)[part] if isinstance(obj, type) else getattr(obj, part)
     return obj
 
@@ -57,7 +63,7 @@ def snapshot():
             "status": records[s.target]["status"], "reason": records[s.target]["reason"],
             "ours": inst is not None and current is inst.new,
             "aliases_ours": [inst is not None and lookup(a) is inst.new for a in ALIASES.get(s.target, [])],
-            "id": id(current), "sites": records[s.target]["sites"],
+            "id": id(current), "sites": records[s.target]["sites"], "missing": current is MISSING,
         }
     return out
 

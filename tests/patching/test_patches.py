@@ -127,6 +127,35 @@ class TestTraining(PatchContract):
         assert res["helpers_import"] and res["ops"], res
 
 
+class TestGradAccumFusion(PatchContract):
+    area = "grad_accum_fusion"
+
+    def test_weight_gradient_accumulates_into_main_grad(self):
+        res = consumer("grad_accum_fusion")
+        fused, unfused = res["True"], res["False"]
+        assert fused == {"calls": 1, "grad_is_none": True, "main_grad_matches": True,
+                         "grad_matches": False}, res
+        assert unfused["calls"] == 0 and unfused["grad_matches"], res
+
+
+class TestLayerSpecs(PatchContract):
+    area = "layer_specs"
+
+    def test_te_specs_built_from_the_backend_provider(self):
+        res = consumer("layer_specs")
+        for norm in ("LayerNorm", "RMSNorm"):
+            r = res[norm]
+            assert r["qkv"] == r["fc1"] == "AdaptLayerNormColumnParallelLinear", r
+            assert r["input_layernorm"] == "IdentityOp" and r["final"].startswith("Adapt"), r
+            names = {"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+                     "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"}
+            if norm == "LayerNorm":
+                names |= {n.replace("weight", "bias") for n in names}
+            assert names <= set(r["keys"]), r["keys"]  # TE's parameter names
+            assert r["norm_calls"] >= 3 * 2 * 2 + 3, r   # 2 norms/layer x 2 layers + final, 3 models
+            assert r["matches_local"] and r["block_matches_local"], r
+
+
 class TestStartupReport(PatchContract):
     area = "startup_report"
 

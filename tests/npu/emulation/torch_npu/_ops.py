@@ -335,3 +335,24 @@ def _tnd(query, key, value, n, atten_mask, scale, keep_prob, pre, nxt, qlen, kvl
         out = torch.cat([out, query.new_zeros(query.size(0) - q0, n, value.size(-1))])
     smax, ssum = torch.cat(maxes), torch.cat(sums)
     return _outputs(out, smax, ssum, keep_prob, 0)
+
+
+# --------------------------------------------------------------------------- npu_matmul_add_fp32
+def npu_matmul_add_fp32(x, weight, C):  # noqa: N803 (the real parameter name)
+    """npu_matmul_add_fp32(Tensor x, Tensor weight, Tensor(a!) C) -> Tensor(a!): C += x^T @ weight.
+
+    x [m, k] and weight [m, n] in fp16/bf16 (same dtype), C [k, n] fp32, updated in place (the
+    gradient-accumulation fusion kernel: x = grad_output, weight = total_input, C = main_grad).
+    Forward only (no autograd), as documented.
+    """
+    _check_tensor("x", x, (torch.float16, torch.bfloat16))
+    _check_tensor("weight", weight, (torch.float16, torch.bfloat16))
+    _check_tensor("C", C, (torch.float32,))
+    _check(x.dtype == weight.dtype, f"x ({x.dtype}) and weight ({weight.dtype}) must share a dtype")
+    _check(x.dim() == 2 and weight.dim() == 2 and C.dim() == 2, "x, weight and C must be 2-D")
+    _check(x.shape[0] == weight.shape[0], f"x {tuple(x.shape)} and weight {tuple(weight.shape)}: first dims differ")
+    _check(tuple(C.shape) == (x.shape[1], weight.shape[1]),
+           f"C {tuple(C.shape)} must be [{x.shape[1]}, {weight.shape[1]}]")
+    with torch.no_grad():
+        C.add_(x.float().t() @ weight.float())
+    return C
