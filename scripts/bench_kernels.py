@@ -42,7 +42,29 @@ def fwd_bwd(forward, inputs, grad_out=None):
     return run
 
 
-def record(op, shape, impl, fn, nbytes=None, model="", flops=None, note=""):
+def split_fns(forward, inputs, grad_out=None):
+    """(forward only, backward only) closures: the backward re-runs on one retained graph."""
+    state = {}
+
+    def fwd():
+        return forward()
+
+    def bwd():
+        if "out" not in state:
+            state["out"] = forward()
+        out = state["out"]
+        g = grad_out if grad_out is not None else torch.ones_like(out)
+        torch.autograd.grad(out, inputs, g, retain_graph=True)
+    return fwd, bwd
+
+
+FIELDS = ["op", "shape", "impl", "ms", "p20", "p80", "bytes_model", "GBps", "frac_copy", "TFLOPs",
+          "fwd_ms", "fwd_frac_copy", "bwd_ms", "bwd_frac_copy", "note"]
+
+
+def record(op, shape, impl, fn, nbytes=None, model="", flops=None, note="", split=None):
+    """Time fn (fwd+bwd). split = (fwd_fn, fwd_bytes, bwd_fn, bwd_bytes) also times the passes
+    one by one (the backward on one retained graph)."""
     try:
         ms, p20, p80 = bench(fn)
     except Exception as e:  # one failing comparator must not lose the run
@@ -56,9 +78,19 @@ def record(op, shape, impl, fn, nbytes=None, model="", flops=None, note=""):
                bytes_model=model, GBps=f"{gbps:.0f}" if gbps else "",
                frac_copy=f"{gbps / COPY_GBPS:.3f}" if gbps and COPY_GBPS else "",
                TFLOPs=f"{tfl:.0f}" if tfl else "", note=note)
+    extra = ""
+    if split is not None:
+        try:
+            for tag, pass_fn, pass_bytes in (("fwd", split[0], split[1]), ("bwd", split[2], split[3])):
+                pms = bench(pass_fn)[0]
+                frac = pass_bytes / pms / 1e6 / COPY_GBPS
+                row[f"{tag}_ms"], row[f"{tag}_frac_copy"] = f"{pms:.4f}", f"{frac:.3f}"
+                extra += f"  {tag} {pms:.3f} ms {frac:6.1%}"
+        except Exception as e:
+            extra += f"  split FAILED: {type(e).__name__}: {str(e)[:120]}"
     ROWS.append(row)
     print(f"  {op:<24} {impl:<18} {ms:8.3f} ms  " + (f"{gbps:7.0f} GB/s {gbps / COPY_GBPS:6.1%} of copy"
-          if gbps else "") + (f"  {tfl:6.0f} TFLOP/s" if tfl else ""), flush=True)
+          if gbps else "") + (f"  {tfl:6.0f} TFLOP/s" if tfl else "") + extra, flush=True)
 
 
 def maybe_compile(fn, args):
@@ -140,7 +172,10 @@ def bench_norms(be, args, dev):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * w
 
     rms = be.op("rms_norm")
-    record("rms_norm", shape, "ours", fwd_bwd(lambda: rms(x, w, 1e-5), [x, w], dy), nb, model)
+    fb = (2 * t * h * 2, 3 * t * h * 2)  # fwd r x w y; bwd r x,dy w dx
+    f, b = split_fns(lambda: rms(x, w, 1e-5), [x, w], dy)
+    record("rms_norm", shape, "ours", fwd_bwd(lambda: rms(x, w, 1e-5), [x, w], dy), nb, model,
+           split=(f, fb[0], b, fb[1]))
     record("rms_norm", shape, "megatron_stock", fwd_bwd(lambda: F.rms_norm(x, (h,), w, 1e-5), [x, w], dy),
            nb, model, note="WrappedTorchNorm -> torch.nn.RMSNorm")
     record("rms_norm", shape, "torch_eager", fwd_bwd(lambda: eager_rms(x, w), [x, w], dy), nb, model)
@@ -151,7 +186,9 @@ def bench_norms(be, args, dev):
         from liger_kernel.transformers.functional import liger_rms_norm
         record("rms_norm", shape, "liger", fwd_bwd(lambda: liger_rms_norm(x, w, 1e-5), [x, w], dy), nb, model)
     ln = be.op("layer_norm")
-    record("layer_norm", shape, "ours", fwd_bwd(lambda: ln(x, w, bias, 1e-5), [x, w, bias], dy), nb, model)
+    f, b = split_fns(lambda: ln(x, w, bias, 1e-5), [x, w, bias], dy)
+    record("layer_norm", shape, "ours", fwd_bwd(lambda: ln(x, w, bias, 1e-5), [x, w, bias], dy), nb, model,
+           split=(f, fb[0], b, fb[1]))
     record("layer_norm", shape, "megatron_stock",
            fwd_bwd(lambda: F.layer_norm(x, (h,), w, bias, 1e-5), [x, w, bias], dy), nb, model,
            note="WrappedTorchNorm -> torch.nn.LayerNorm (= eager)")
@@ -236,7 +273,10 @@ def bench_ce(be, args, dev):
         nb = 3 * t * v * 2
         model = "fwd r logits; bwd r logits w grad = 3*T*V*2B"
         shape = f"{t}x{v} bf16"
-        record("cross_entropy", shape, "ours", fwd_bwd(lambda: op(x, tg, 0.0, None), [x], g), nb, model)
+        # x is a leaf: the backward writes a new buffer, so it can be re-run for the bwd-only time.
+        f, b = split_fns(lambda: op(x, tg, 0.0, None), [x], g)
+        record("cross_entropy", shape, "ours", fwd_bwd(lambda: op(x, tg, 0.0, None), [x], g), nb, model,
+               split=(f, t * v * 2, b, 2 * t * v * 2))
         record("cross_entropy", shape, "megatron_stock", fwd_bwd(lambda: megatron_ce(x, tg, 0.0, None), [x], g),
                nb, model, note="VocabParallelCrossEntropy math (fp32 copy, saved softmax)")
         record("cross_entropy", shape, "torch_eager",
@@ -360,7 +400,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="cuda", choices=["cuda"])
     p.add_argument("--out", required=True)
-    p.add_argument("--ops", default="norms,softmax,swiglu,rope,ce,attention,adam,multi_tensor")
+    p.add_argument("--ops", default="norms,softmax,swiglu,rope,ce,attention,adam,multi_tensor",
+                   help="comma-separated subset of the default list")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ce-tokens", type=int, default=8192)
@@ -387,7 +428,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
     path = os.path.join(args.out, "kernels.csv")
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(ROWS[0]))
+        w = csv.DictWriter(f, fieldnames=FIELDS, restval="")
         w.writeheader()
         w.writerows(ROWS)
     print(f"wrote {path}")

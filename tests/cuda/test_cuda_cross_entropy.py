@@ -101,3 +101,21 @@ def test_tp2_gloo(smoothing):
         assert_close(loss, ref_loss, torch.float32, f"rank {rank} loss", scale=5.0)
         assert_close(grad, (ref_grad * g.double().unsqueeze(-1))[..., rank * part:(rank + 1) * part],
                      torch.float32, f"rank {rank} grad", scale=5.0)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_split_vocab_pieces(split, smoothing, monkeypatch):
+    """The same loss and gradient whether a row is one program or split over several (the
+    split-vocab partials and their combine), with a ragged last piece."""
+    monkeypatch.setattr(ce, "SPLIT", split)
+    tokens, vocab = (5, 9000) if not GPU else (64, 50257)
+    torch.manual_seed(split)
+    logits = torch.randn(tokens, vocab, device=DEVICE) * 4
+    target = torch.randint(0, vocab, (tokens,), device=DEVICE)
+    ref_loss, ref_grad = reference(logits, target, smoothing)
+    inp = logits.clone().requires_grad_()
+    loss = ce.vocab_parallel_cross_entropy(inp * 1, target, smoothing)
+    loss.sum().backward()
+    assert_close(loss, ref_loss, torch.float32, "loss", scale=5.0)
+    assert_close(inp.grad, ref_grad, torch.float32, "grad", scale=2.0)

@@ -7,14 +7,15 @@ from _cuda_helpers import DEVICE, DTYPES, GPU, assert_close, ran_impl, reset
 from megatron_adapt.backends.cuda import norms
 
 # (rows, hidden): odd sizes, a power of two, and rows wider than 65536 (chunked kernels).
-SHAPES = [(4096, 4096), (2048, 5123), (257, 12288), (64, 65536 + 17)] if GPU else \
+# Narrow rows (a tile of several rows per program, a ragged last tile) too.
+SHAPES = [(4096, 4096), (2048, 5123), (257, 12288), (64, 65536 + 17), (1001, 200)] if GPU else \
     [(6, 7), (5, 300), (9, 1024), (2, 65536 + 3)]
 
 
-def _run(rms, rows, h, dtype, wdtype=None):
+def _run(rms, rows, h, dtype, wdtype=None, offset=0.5):
     torch.manual_seed(rows + h)
     wdtype = wdtype or dtype
-    x = (torch.randn(rows, h, device=DEVICE) * 2 + 0.5).to(dtype).requires_grad_()
+    x = (torch.randn(rows, h, device=DEVICE) * 2 + offset).to(dtype).requires_grad_()
     w = (torch.rand(h, device=DEVICE) + 0.5).to(wdtype).requires_grad_()
     b = None if rms else torch.randn(h, device=DEVICE).to(wdtype).requires_grad_()
     reset()
@@ -59,3 +60,10 @@ def test_norm_3d_input_and_fallback_reported():
     xd = torch.randn(4, 8, dtype=torch.float64, device=DEVICE)
     yd = norms.rms_norm(xd, torch.ones(8, dtype=torch.float64, device=DEVICE), 1e-6)
     assert yd.dtype == torch.float64 and "cpu.reference(rms_norm)" in ran_impl("rms_norm")
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "layer"])
+def test_norm_large_mean_fp32(rms):
+    """Rows whose mean is 100x their spread: the one-pass (shifted) LayerNorm variance must not
+    cancel catastrophically."""
+    _run(rms, 16 if not GPU else 512, 1000 if not GPU else 4096, torch.float32, offset=200.0)
