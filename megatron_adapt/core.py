@@ -65,7 +65,8 @@ def apply(backend: str | None = None, **switches):
 
     _report.set_context(strict=config.strict, backend=chosen.name, backend_reason=why,
                         megatron_core=str(version) if version else None, torch=torch.__version__,
-                        python=platform.python_version(), backend_description=chosen.describe())
+                        python=platform.python_version(), backend_description=chosen.describe(),
+                        attention_layout=config.attention_layout)
     device = chosen.device()
     try:
         if device is not None and config.enabled("device"):
@@ -82,8 +83,12 @@ def apply(backend: str | None = None, **switches):
 
 
 def _write_report_at_exit():
+    import sys
+
     config = _state.get("config")
-    if config and config.report_path:
+    # A process that never imported Megatron (torchrun's agent, a shell helper under the launcher)
+    # has nothing to report and must not overwrite rank 0's file.
+    if config and config.report_path and "megatron.core" in sys.modules:
         path = config.report_path
         rank = _report._rank()
         _report.write_json(path if rank == 0 else f"{path}.rank{rank}")

@@ -7,9 +7,11 @@
 #       [--shape_order SBH|BSH] [--pre=N] [--next=N] [extra pretrain_gpt.py arguments ...]
 #
 # Arguments:
-#   --shape_order SBH   activation layout. SBH ([seq, batch, hidden]) is the only layout Megatron's
-#                       local transformer uses (0.16 has no batch-first option); BSH is refused with
-#                       an error rather than silently ignored. Attention ops permute internally.
+#   --shape_order SBH|BSH  the memory order the attention kernel reads q/k/v in. SBH (default):
+#                       Megatron's own [seq, batch, head, dim], no copy. BSH: batch-first copies
+#                       (MEGATRON_ADAPT_ATTENTION_LAYOUT=bshd; npu: npu_fusion_attention's "BSH"
+#                       layout). The rest of the model stays [seq, batch, hidden], which is the
+#                       only activation layout Megatron's transformer has.
 #   --pre=N --next=N    sliding-window attention: each token attends to N tokens before it and N
 #                       after it; mapped to Megatron's `--window-size PRE,NEXT` (causal GPT: next=0,
 #                       the default when only --pre is given). Off when neither is given.
@@ -19,8 +21,9 @@
 #   MEGATRON_LM_PATH       Megatron-LM checkout matching the installed megatron-core (required)
 #   MEGATRON_ADAPT_BACKEND auto|cpu|cuda|npu [auto], read by megatron-adapt in every rank
 #   NPROC [2]  TP [1]  PP [1]  SP [0] (1: --sequence-parallel)  DISTOPT [0] (1: --use-distributed-optimizer)
-#   PRECISION [fp32] fp32|bf16|fp16     INITIAL_LOSS_SCALE [4096] (fp16 only; Megatron's 2^32
-#                                       default skips ~20 iterations while it backs off)
+#   PRECISION [fp32] fp32|bf16|fp16     INITIAL_LOSS_SCALE [unset: Megatron's 2^32] (fp16 only;
+#                                       dynamic loss scaling skips the steps that overflow and
+#                                       halves the scale each time, then trains on)
 #   LLAMA [0]  1: --swiglu --position-embedding-type rope --normalization RMSNorm
 #                 --untie-embeddings-and-output-weights --disable-bias-linear
 #   NLAYERS [2] HIDDEN [64] HEADS [4] SEQ [64] VOCAB [128] MBS [2] GBS [8] ITERS [10] LR [1e-3]
@@ -43,7 +46,7 @@ set -euo pipefail
 
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v<megatron-core version>)}"
 NPROC=${NPROC:-2}; TP=${TP:-1}; PP=${PP:-1}; SP=${SP:-0}; DISTOPT=${DISTOPT:-0}
-PRECISION=${PRECISION:-fp32}; INITIAL_LOSS_SCALE=${INITIAL_LOSS_SCALE:-4096}; LLAMA=${LLAMA:-0}
+PRECISION=${PRECISION:-fp32}; INITIAL_LOSS_SCALE=${INITIAL_LOSS_SCALE:-}; LLAMA=${LLAMA:-0}
 NLAYERS=${NLAYERS:-2}; HIDDEN=${HIDDEN:-64}; HEADS=${HEADS:-4}; SEQ=${SEQ:-64}; VOCAB=${VOCAB:-128}
 MBS=${MBS:-2}; GBS=${GBS:-8}; ITERS=${ITERS:-10}; LR=${LR:-1e-3}
 GRAD_ACCUM_FUSION=${GRAD_ACCUM_FUSION:-1}; ATTENTION_BACKEND=${ATTENTION_BACKEND:-auto}; LAUNCHER=${LAUNCHER:-megatron-adapt-run}
@@ -64,9 +67,8 @@ while [[ $# -gt 0 ]]; do
 done
 
 case "${SHAPE_ORDER^^}" in
-    SBH) ;;
-    BSH) echo "pretrain_gpt_distributed.sh: --shape_order BSH: Megatron-LM's local transformer keeps" \
-              "activations as [seq, batch, hidden] and has no batch-first option; use SBH" >&2; exit 2 ;;
+    SBH) export MEGATRON_ADAPT_ATTENTION_LAYOUT=sbhd ;;
+    BSH) export MEGATRON_ADAPT_ATTENTION_LAYOUT=bshd ;;
     *) echo "pretrain_gpt_distributed.sh: --shape_order must be SBH or BSH, got '$SHAPE_ORDER'" >&2; exit 2 ;;
 esac
 
@@ -90,7 +92,7 @@ ARGS=(
 case "$PRECISION" in
     fp32) ;;
     bf16) ARGS+=(--bf16) ;;
-    fp16) ARGS+=(--fp16 --initial-loss-scale "$INITIAL_LOSS_SCALE") ;;
+    fp16) ARGS+=(--fp16); [[ -n "$INITIAL_LOSS_SCALE" ]] && ARGS+=(--initial-loss-scale "$INITIAL_LOSS_SCALE") ;;
     *) echo "PRECISION must be fp32, bf16 or fp16, got '$PRECISION'" >&2; exit 2 ;;
 esac
 [[ "$LLAMA" == 1 ]] && ARGS+=(--swiglu --position-embedding-type rope --normalization RMSNorm

@@ -3,14 +3,16 @@
 Each test launches `megatron-adapt-run torchrun --nproc-per-node 2 <script> ...` in a subprocess
 (the way a user would) and checks the exit code, that the loss is printed and falls, that
 checkpoints are written and a second run resumes from the saved iteration, and that the start-up
-report shows the patches applied. Every fused-kernel flag is left at Megatron's default, except
-gradient-accumulation fusion (see GRAD_ACCUM_FLAGS).
+report shows the patches applied. Every fused-kernel flag is left at Megatron's default
+(gradient-accumulation fusion included) and so is --transformer-impl (transformer_engine, served
+by megatron-adapt's backend-native layer spec since TE is not installed).
 
 Needs MEGATRON_LM_PATH: a Megatron-LM checkout matching the installed megatron-core (tag
 core_v<version>). Each launch costs ~15-25 s on two CPU cores; the file takes ~4-5 minutes.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -33,17 +35,12 @@ pytestmark = [
                        reason="megatron-adapt-run / torchrun not on PATH (pip install -e .)"),
 ]
 
-# Megatron's default --gradient-accumulation-fusion needs apex's fused_weight_gradient_mlp_cuda
-# extension; megatron-adapt does not provide it yet (test_default_gradient_accumulation_fusion
-# tracks it). Every other fusion flag stays at Megatron's default.
-GRAD_ACCUM_FLAGS = ["--no-gradient-accumulation-fusion"]
-
 TINY_GPT = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64",
     "--micro-batch-size", "2", "--global-batch-size", "8",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--split", "949,50,1",
-    "--transformer-impl", "local",
+    "--attention-backend", "auto",
     "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-decay-iters", "20",
     "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234",
     "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
@@ -61,7 +58,13 @@ REQUIRED_PATCHES = (
     "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.forward",
     "megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
     "megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb",
+    "megatron.core.models.gpt.gpt_layer_specs:TESpecProvider",
+    "megatron.core.models.gpt.gpt_layer_specs:TENorm",
+    "megatron.core.tensor_parallel.layers:fused_weight_gradient_mlp_cuda",
+    "megatron.core.tensor_parallel.layers:_grad_accum_fusion_available",
 )
+# The stock local path with the flags users needed before: --transformer-impl local and no wgrad fusion.
+LOCAL_UNFUSED = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion"]
 
 ITER_RE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?lm loss: ([0-9.]+E[+-]\d+)")
 ROW_RE = re.compile(r"^(\w+)\s+(\S+:\S+)\s+(applied|skipped|failed|pending|disabled|reverted)\b", re.M)
@@ -77,15 +80,21 @@ def _env() -> dict:
     env = dict(os.environ)
     env.update(MEGATRON_LM_PATH=LM, OMP_NUM_THREADS="1", MEGATRON_ADAPT_BACKEND="cpu",
                PYTHONUNBUFFERED="1")
-    for var in ("MEGATRON_ADAPT_AUTO", "MEGATRON_ADAPT_QUIET", "MEGATRON_ADAPT_DISABLE"):
+    for var in ("MEGATRON_ADAPT_AUTO", "MEGATRON_ADAPT_QUIET", "MEGATRON_ADAPT_DISABLE",
+                "MEGATRON_ADAPT_ATTENTION_LAYOUT", "MEGATRON_ADAPT_REPORT"):
         env.pop(var, None)
     return env
+
+
+SKIP_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?loss scale: ([0-9.E+-]+).*?number of skipped iterations:\s+(\d+)")
 
 
 class Run:
     def __init__(self, proc: subprocess.CompletedProcess, log: Path):
         self.rc, self.out, self.log = proc.returncode, proc.stdout, log
         self.losses = {int(i): float(loss) for i, _, loss in ITER_RE.findall(self.out)}
+        # iteration -> (loss scale, skipped iterations in that logging interval)
+        self.scaler = {int(i): (float(scale), int(n)) for i, scale, n in SKIP_RE.findall(self.out)}
 
     def check(self):
         assert self.rc == 0, f"exit code {self.rc}; log {self.log}:\n{self.out[-6000:]}"
@@ -94,19 +103,18 @@ class Run:
 
 
 def launch(script: str, args: list[str], tmp: Path, name: str, cwd: Path | None = None,
-           timeout: int = 300) -> Run:
+           timeout: int = 300, env: dict | None = None) -> Run:
     cmd = ["megatron-adapt-run", "torchrun", "--nproc-per-node", "2", "--master-port",
            str(_free_port()), os.path.join(LM, script), *args]
-    proc = subprocess.run(cmd, env=_env(), cwd=cwd or tmp, stdout=subprocess.PIPE,
+    proc = subprocess.run(cmd, env={**_env(), **(env or {})}, cwd=cwd or tmp, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
     log = tmp / f"{name}.log"
     log.write_text(" ".join(cmd) + "\n" + proc.stdout)
     return Run(proc, log)
 
 
-def pretrain(args: list[str], tmp: Path, name: str, iters: int = 10) -> Run:
-    return launch("pretrain_gpt.py", [*TINY_GPT, "--train-iters", str(iters), *GRAD_ACCUM_FLAGS, *args],
-                  tmp, name)
+def pretrain(args: list[str], tmp: Path, name: str, iters: int = 10, env: dict | None = None) -> Run:
+    return launch("pretrain_gpt.py", [*TINY_GPT, "--train-iters", str(iters), *args], tmp, name, env=env)
 
 
 def assert_loss_falls(run: Run, first: int = 1, by: float = 0.3):
@@ -189,32 +197,77 @@ def test_dp2_distributed_optimizer_bf16_save_and_resume(tmp_path):
     assert_loss_falls(first)
 
 
-def test_llama_like_tp2_sp_bf16(tmp_path):
-    """swiglu + rope (with Megatron's default --rope-fusion) + RMSNorm, untied output layer."""
-    run = pretrain(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16", *LLAMA],
-                   tmp_path, "llama_tp2_sp").check()
+@pytest.mark.parametrize("impl", ["default", "local"])
+def test_llama_like_tp2_sp_bf16(tmp_path, impl):
+    """swiglu + rope (with Megatron's default --rope-fusion) + RMSNorm, untied output layer; on the
+    default (TE) layer spec and on --transformer-impl local."""
+    extra = LOCAL_UNFUSED if impl == "local" else []
+    run = pretrain(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16", *LLAMA, *extra],
+                   tmp_path, f"llama_tp2_sp_{impl}").check()
     assert_patched(run)
     assert_loss_falls(run)
 
 
-def test_launch_script_fp16_llama_sliding_window(tmp_path):
-    """tests_gpt/pretrain_gpt_fp16.sh: fp16 with loss scaling, PP=2, llama-like, --pre/--next window."""
+def _scaler_trains_on(run: Run):
+    """Megatron's dynamic loss scaler from 2^32: overflowing steps are skipped (no loss printed) and
+    halve the scale; then steps go through and the loss falls."""
+    first = min(run.scaler)
+    assert run.scaler[first] == (2.0 ** 32, 1), run.scaler          # step 1 overflows, is skipped
+    skipped = [i for i, (_, n) in run.scaler.items() if n]
+    trained = sorted(run.losses)
+    assert len(skipped) >= 3 and trained and trained[0] > skipped[0], (run.scaler, run.losses)
+    scales = [run.scaler[i][0] for i in sorted(run.scaler)]
+    assert scales[-1] < scales[0] and all(b <= a for a, b in zip(scales, scales[1:])), scales
+    assert len(trained) >= 8, run.losses                             # ... then it trains on
+    assert run.losses[trained[-1]] < run.losses[trained[0]] - 0.3, run.losses
+
+
+def test_launch_script_fp16_loss_scaler_bsh_llama_sliding_window(tmp_path):
+    """tests_gpt/pretrain_gpt_fp16.sh at its defaults (Megatron's 2^32 initial loss scale, 30
+    iterations): PP=2, llama-like, --pre/--next window, --shape_order BSH (attention on batch-first
+    copies)."""
     env = _env()
-    env.update(PP="2", LLAMA="1", ITERS="10", MASTER_PORT=str(_free_port()))
-    proc = subprocess.run([str(REPO / "tests_gpt" / "pretrain_gpt_fp16.sh"), "--shape_order", "SBH",
+    env.update(PP="2", LLAMA="1", MASTER_PORT=str(_free_port()),
+               MEGATRON_ADAPT_REPORT=str(tmp_path / "report.json"))
+    proc = subprocess.run([str(REPO / "tests_gpt" / "pretrain_gpt_fp16.sh"), "--shape_order", "BSH",
                            "--pre=16", "--next=0"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=300)
     (tmp_path / "script.log").write_text(proc.stdout)
-    run = Run(proc, tmp_path / "script.log").check()
-    assert "--window-size 16,0" in run.out and "--fp16" in run.out
+    run = Run(proc, tmp_path / "script.log")
+    assert run.rc == 0, run.out[-6000:]
+    assert "--window-size 16,0" in run.out and "--fp16" in run.out and "--initial-loss-scale" not in run.out
     assert_patched(run)
-    assert_loss_falls(run)
+    _scaler_trains_on(run)
+    report = json.loads((tmp_path / "report.json").read_text())   # rank 0: the first stage
+    assert report["attention_layout"] == "bshd"
+    assert [o["implementation"] for o in report["ops"] if o["op"] == "attention"] == ["cpu.torch.sdpa"], report["ops"]
 
 
-def test_launch_script_refuses_bsh(tmp_path):
-    proc = subprocess.run([str(REPO / "tests_gpt" / "pretrain_gpt_distributed.sh"), "--shape_order", "BSH"],
+def test_launch_script_rejects_an_unknown_shape_order(tmp_path):
+    proc = subprocess.run([str(REPO / "tests_gpt" / "pretrain_gpt_distributed.sh"), "--shape_order", "HBS"],
                           env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.returncode == 2 and "no batch-first option" in proc.stdout
+    assert proc.returncode == 2 and "must be SBH or BSH" in proc.stdout
+
+
+def test_gpt3_example_arguments_scaled_down(tmp_path):
+    """examples/gpt3/train_gpt3_175b_distributed.sh's own model and training arguments (read from
+    the checkout): default --transformer-impl, --attention-backend auto, fp16 from a 2^32 loss
+    scale, batch-size ramp-up, every fusion at its default; tiny sizes, TP=2, mock data, with
+    --save/--load into one directory as the example has."""
+    env = _env()
+    env.update(MASTER_PORT=str(_free_port()), CKPT=str(tmp_path / "ckpt"))
+    proc = subprocess.run([str(REPO / "tests_gpt" / "pretrain_gpt3_example.sh")], env=env, cwd=tmp_path,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
+    (tmp_path / "gpt3.log").write_text(proc.stdout)
+    run = Run(proc, tmp_path / "gpt3.log")
+    assert run.rc == 0, run.out[-6000:]
+    for flag in ("--attention-backend auto", "--fp16", "--rampup-batch-size 16 16 5859375", "--init-method-std 0.006"):
+        assert flag in run.out, flag                                  # the example's own flags ...
+    assert "--transformer-impl" not in run.out and "--no-" not in run.out.split("\n", 1)[0]
+    assert re.search(r"global batch size:\s+4 \|", run.out) and re.search(r"global batch size:\s+8 \|", run.out)
+    assert_patched(run)
+    _scaler_trains_on(run)
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").is_file()
 
 
 def test_simple_mcore_train_loop_example(tmp_path):
@@ -232,19 +285,23 @@ def test_simple_mcore_train_loop_example(tmp_path):
     assert_patched(run, required=())
 
 
-def test_default_gradient_accumulation_fusion(tmp_path):
-    """Megatron's default --gradient-accumulation-fusion, with no flag at all.
-
-    xfails (cleanly, within seconds) while megatron-adapt provides no stand-in for apex's
-    fused_weight_gradient_mlp_cuda; passes on its own once it does.
-    """
-    args = [a for a in TINY_GPT] + ["--train-iters", "6", "--tensor-model-parallel-size", "2", "--bf16"]
-    run = launch("pretrain_gpt.py", args, tmp_path, "grad_accum_fusion")
-    if run.rc != 0 and "fused_weight_gradient_mlp_cuda module is not found" in run.out:
-        pytest.xfail("gradient_accumulation_fusion needs fused_weight_gradient_mlp_cuda "
-                     "(megatron.core.tensor_parallel.layers:_grad_accum_fusion_available is False)")
-    run.check()
-    assert_loss_falls(run, by=0.2)
+def test_default_impl_and_wgrad_fusion_match_stock_local_unfused(tmp_path):
+    """Defaults (TE layer spec served by megatron-adapt, gradient-accumulation fusion into main_grad)
+    against `--transformer-impl local --no-gradient-accumulation-fusion`, both on the cpu backend,
+    fp32, TP=2, same seed: the same model, so the same losses (fp32 summation order differs)."""
+    args = ["--tensor-model-parallel-size", "2"]
+    report = tmp_path / "report.json"
+    default = pretrain(args, tmp_path, "default", env={"MEGATRON_ADAPT_REPORT": str(report)}).check()
+    local = pretrain([*args, *LOCAL_UNFUSED], tmp_path, "local_unfused").check()
+    assert_patched(default)
+    assert sorted(default.losses) == sorted(local.losses) == list(range(1, 11))
+    diffs = [abs(default.losses[i] - local.losses[i]) for i in default.losses]
+    assert max(diffs) < 1e-4, (default.losses, local.losses)
+    assert_loss_falls(default)
+    calls = {}
+    for o in json.loads(report.read_text())["ops"]:
+        calls[o["op"]] = calls.get(o["op"], 0) + o["calls"]
+    assert calls.get("wgrad_accumulate", 0) > 0 and calls.get("layer_norm", 0) > 0, calls
 
 
 if __name__ == "__main__":
