@@ -11,3 +11,14 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_cache():
+    """With a GPU, hand cached blocks back after each test: under `pytest -n 16` on an 80 GB
+    H100, 16 workers' caches left the TP=2 test's spawned ranks out of memory."""
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
