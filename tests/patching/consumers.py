@@ -142,8 +142,15 @@ def _():
         y2 = core(q, k, v, mask, attn_mask_type=__import__("megatron.core.transformer.enums", fromlist=["x"]).AttnMaskType.padding)
         y2_ref = original("megatron.core.transformer.dot_product_attention:DotProductAttention.forward")(
             core, q, k, v, mask, __import__("megatron.core.transformer.enums", fromlist=["x"]).AttnMaskType.padding)
+        # GPT's dataloader passes its [b, 1, s, s] causal mask with attn_mask_type causal: served by
+        # the causal kernel (the mask is implied), equal to Megatron's masked result.
+        causal_mask = torch.ones(2, 1, 16, 16, dtype=torch.bool).triu(1)
+        y3 = core(q, k, v, causal_mask)
+        y3_ref = original("megatron.core.transformer.dot_product_attention:DotProductAttention.forward")(
+            core, q, k, v, causal_mask)
         out[f"groups{groups}"] = {"calls": counted("attention") - before,
-                                  "matches": close(y, y_ref, 1e-4) and close(y2, y2_ref, 1e-4)}
+                                  "matches": close(y, y_ref, 1e-4) and close(y2, y2_ref, 1e-4),
+                                  "causal_mask_matches": close(y3, y3_ref, 1e-4)}
     return out
 
 

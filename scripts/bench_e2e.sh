@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# End-to-end: stock Megatron-LM pretrain_gpt.py twice on one GPU, same model, same seed, mock data.
+#   (a) stock:  unpatched, --transformer-impl local plus the flags it needs without apex / TE
+#               (--no-rope-fusion --no-persist-layer-norm --no-masked-softmax-fusion
+#               --no-gradient-accumulation-fusion) and the dataset helpers built with Megatron's Makefile;
+#   (b) adapt:  megatron-adapt-run, Megatron's default arguments (transformer_engine impl, every fusion on).
+# Model: 0.95B llama-like (16 layers, hidden 2048, ffn 5632, 16 heads, seq 2048, micro-batch 4, global
+# batch 16, vocab 32000, bf16, RMSNorm, SwiGLU, RoPE, untied embeddings). Prints ms/iteration
+# (median of iterations WARMUP+1..ITERS), TFLOP/s per GPU (Megatron's --log-throughput count), MFU
+# against PEAK_TFLOPS, peak memory (the largest of Megatron's max allocated / max reserved reports, and
+# nvidia-smi's peak used) and both loss curves with their largest difference.
+#
+# Usage: MEGATRON_LM_PATH=/path/to/Megatron-LM scripts/bench_e2e.sh OUTDIR
+# Env: ITERS [50] WARMUP [10] PEAK_TFLOPS [989: H100/H200 SXM dense bf16] RUNS ["stock adapt"]
+set -euo pipefail
+: "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1)}"
+OUTDIR=${1:?usage: scripts/bench_e2e.sh OUTDIR}; mkdir -p "$OUTDIR"
+ITERS=${ITERS:-50}; WARMUP=${WARMUP:-10}; PEAK_TFLOPS=${PEAK_TFLOPS:-989}; RUNS=${RUNS:-"stock adapt"}
+HERE=$(cd "$(dirname "$0")" && pwd)
+export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONUNBUFFERED=1
+
+MODEL=(
+    --num-layers 16 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16
+    --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 4 --global-batch-size 16
+    --tokenizer-type NullTokenizer --vocab-size 32000 --mock-data --split 949,50,1
+    --bf16 --normalization RMSNorm --swiglu --position-embedding-type rope
+    --untie-embeddings-and-output-weights --disable-bias-linear
+    --train-iters "$ITERS" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5
+    --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --init-method-std 0.02
+    --log-interval 1 --log-throughput --eval-iters 0 --eval-interval 100000
+)
+STOCK_FLAGS=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm
+             --no-masked-softmax-fusion --no-gradient-accumulation-fusion)
+if command -v megatron-adapt-run >/dev/null; then ADAPT=(megatron-adapt-run); else ADAPT=(python3 -m megatron_adapt.launcher); fi
+TORCHRUN=(python3 -m torch.distributed.run --nproc-per-node 1 --master-port 29561)
+
+peak_smi() {  # sample nvidia-smi's used memory while $1 runs; print the peak (MiB)
+    local log=$1; shift; local peak=0
+    "$@" > "$log" 2>&1 & local pid=$!
+    while kill -0 $pid 2>/dev/null; do
+        local used; used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 2>/dev/null | head -1 || echo 0)
+        (( used > peak )) && peak=$used; sleep 0.5
+    done
+    wait $pid; local rc=$?; echo "$peak" > "$log.smi_peak_mib"; return $rc
+}
+
+for run in $RUNS; do
+    case $run in
+        stock)  # Megatron's own step for its dataset helpers (the checkout has no built extension)
+                make -s -C "$MEGATRON_LM_PATH/megatron/core/datasets" \
+                    LIBEXT="$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" || true
+                peak_smi "$OUTDIR/stock.log" env MEGATRON_ADAPT_DISABLE=all \
+                    "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" "${STOCK_FLAGS[@]}" ;;
+        adapt)  peak_smi "$OUTDIR/adapt.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_report.json" \
+                    "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" ;;
+        *) echo "unknown run $run" >&2; exit 2 ;;
+    esac
+done
+python3 "$HERE/e2e_summary.py" --outdir "$OUTDIR" --warmup "$WARMUP" --peak-tflops "$PEAK_TFLOPS" $RUNS
