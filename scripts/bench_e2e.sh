@@ -12,6 +12,10 @@
 #
 # Usage: MEGATRON_LM_PATH=/path/to/Megatron-LM scripts/bench_e2e.sh OUTDIR
 # Env: ITERS [50] WARMUP [10] PEAK_TFLOPS [989: H100/H200 SXM dense bf16] RUNS ["stock adapt"]
+#      EXTRA_ARGS [""]: appended to both runs (e.g. "--attention-dropout 0 --hidden-dropout 0": with
+#      dropout on, the two runs draw different dropout masks -- Megatron's RNG tracker in (a), the
+#      fused attention kernel's own Philox stream in (b), as with TE -- so their curves part ways
+#      in the steep first iterations)
 set -euo pipefail
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1)}"
 OUTDIR=${1:?usage: scripts/bench_e2e.sh OUTDIR}; mkdir -p "$OUTDIR"
@@ -29,6 +33,8 @@ MODEL=(
     --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --init-method-std 0.02
     --log-interval 1 --log-throughput --eval-iters 0 --eval-interval 100000
 )
+read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
+MODEL+=("${EXTRA[@]}")
 STOCK_FLAGS=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm
              --no-masked-softmax-fusion --no-gradient-accumulation-fusion)
 if command -v megatron-adapt-run >/dev/null; then ADAPT=(megatron-adapt-run); else ADAPT=(python3 -m megatron_adapt.launcher); fi
