@@ -230,3 +230,20 @@ def test_adam_factory_matches_torch(adam_w_mode):
     torch.testing.assert_close(p1, p2)
     with pytest.raises(TypeError, match="exp_avg_dtype"):
         Adam([p1], exp_avg_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 3, 5), (37, 24, 40), (300, 17, 65)])
+def test_wgrad_accumulate_adds_the_weight_gradient_into_main_grad(dtype, shape):
+    """Gradient-accumulation fusion: main_grad (fp32) += grad_output^T @ input, in place, on top of
+    what main_grad already holds (micro-batches accumulate)."""
+    from megatron_adapt.backends.cpu import matmul
+
+    t, n_in, n_out = shape
+    x, dy = torch.randn(t, n_in).to(dtype), torch.randn(t, n_out).to(dtype)
+    main_grad = torch.randn(n_out, n_in)
+    expect = main_grad.double() + dy.double().t() @ x.double()
+    matmul.wgrad_accumulate(x, dy, main_grad)
+    matmul.wgrad_accumulate(x, dy, main_grad)           # a second micro-batch
+    expect += dy.double().t() @ x.double()
+    torch.testing.assert_close(main_grad.double(), expect, atol=1e-4 * max(1, t ** 0.5), rtol=1e-5)
