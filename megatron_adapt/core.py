@@ -83,15 +83,18 @@ def apply(backend: str | None = None, **switches):
 
 
 def _write_report_at_exit():
+    import os
     import sys
 
     config = _state.get("config")
-    # A process that never imported Megatron (torchrun's agent, a shell helper under the launcher)
-    # has nothing to report and must not overwrite rank 0's file.
-    if config and config.report_path and "megatron.core" in sys.modules:
+    if config and config.report_path:
         path = config.report_path
         rank = _report._rank()
-        _report.write_json(path if rank == 0 else f"{path}.rank{rank}")
+        path = path if rank == 0 else f"{path}.rank{rank}"
+        # A process that never imported Megatron (torchrun's agent, exiting after its workers) does
+        # not overwrite the report a Megatron rank wrote.
+        if "megatron.core" in sys.modules or not os.path.exists(path):
+            _report.write_json(path)
 
 
 def revert() -> None:

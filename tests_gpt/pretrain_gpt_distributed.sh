@@ -51,6 +51,9 @@ NLAYERS=${NLAYERS:-2}; HIDDEN=${HIDDEN:-64}; HEADS=${HEADS:-4}; SEQ=${SEQ:-64}; 
 MBS=${MBS:-2}; GBS=${GBS:-8}; ITERS=${ITERS:-10}; LR=${LR:-1e-3}
 GRAD_ACCUM_FUSION=${GRAD_ACCUM_FUSION:-1}; ATTENTION_BACKEND=${ATTENTION_BACKEND:-auto}; LAUNCHER=${LAUNCHER:-megatron-adapt-run}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# As Megatron-LM's own example scripts do: Megatron asserts it for tensor/context parallelism on
+# GPUs (ordering of communication and compute kernels). The cpu backend sets it itself.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 
 SHAPE_ORDER=SBH; PRE=""; NEXT=""; EXTRA=()
 while [[ $# -gt 0 ]]; do

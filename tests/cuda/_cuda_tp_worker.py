@@ -1,4 +1,5 @@
-"""Worker for the TP=2 cross-entropy test: one process per rank, gloo, interpreted kernels.
+"""Worker for the TP=2 cross-entropy test: one process per rank. NCCL with one GPU per rank when
+there are enough GPUs; otherwise gloo (ranks share one GPU, or interpreted kernels on CPU).
 
 Kept apart from the test module so that a spawned child imports only torch before it sets
 TRITON_INTERPRET (triton reads it at import). With a GPU the ranks share it and run the
@@ -19,7 +20,11 @@ def run(rank, world, init_file, logits, target, smoothing, grad_out, results):
     from megatron_adapt import report
     from megatron_adapt.backends.cuda.cross_entropy import vocab_parallel_cross_entropy
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    nccl = torch.cuda.device_count() >= world
+    if nccl:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if nccl else "gloo", init_method=f"file://{init_file}",
+                            rank=rank, world_size=world)
     try:
         if gpu:
             logits, target, grad_out = logits.cuda(), target.cuda(), grad_out.cuda()
@@ -30,6 +35,7 @@ def run(rank, world, init_file, logits, target, smoothing, grad_out, results):
         loss = vocab_parallel_cross_entropy(inp, target, smoothing, dist.group.WORLD)
         loss.backward(grad_out)
         counts = report.op_counts()["vocab_parallel_cross_entropy"]
-        results.put((rank, loss.detach().cpu().numpy(), local.grad.detach().cpu().numpy(), sorted(counts)))
+        results.put((rank, loss.detach().cpu().numpy(), local.grad.detach().cpu().numpy(), sorted(counts),
+                     dist.get_backend()))
     finally:
         dist.destroy_process_group()

@@ -67,17 +67,24 @@ def test_second_backward_through_consumed_buffer_raises():
         loss.sum().backward()
 
 
+TP_SHAPES = [(6, 2 * 33)] + ([(1024, 32000)] if torch.cuda.device_count() >= 2 else [])
+
+
+@pytest.mark.parametrize("tokens,vocab", TP_SHAPES)
 @pytest.mark.parametrize("smoothing", [0.0, 0.2])
-def test_tp2_gloo(smoothing):
+def test_tp2(smoothing, tokens, vocab):
     """TP=2: each rank holds half the vocabulary; loss and gradient slices match the full-vocab
-    reference, with label smoothing over the global vocabulary."""
+    reference, with label smoothing over the global vocabulary. NCCL on 2 GPUs (then also at
+    vocabulary 32000), else gloo."""
     import _cuda_tp_worker
 
     torch.manual_seed(7)
-    tokens, vocab, world = (6, 2 * 33, 2)
+    world = 2
     logits = torch.randn(2, tokens // 2, vocab) * 3
-    # targets in both halves, so both ranks contribute the predicted logit
-    target = torch.tensor([[0, 40, 65], [32, 33, 1]])
+    if tokens == 6:  # targets in both halves, so both ranks contribute the predicted logit
+        target = torch.tensor([[0, 40, 65], [32, 33, 1]])
+    else:
+        target = torch.randint(0, vocab, (2, tokens // 2))
     g = torch.rand(2, tokens // 2)
     ref_loss, ref_grad = reference(logits, target, smoothing)
     ctx = mp.get_context("spawn")
@@ -95,7 +102,9 @@ def test_tp2_gloo(smoothing):
         p.join(60)
         assert p.exitcode == 0
     part = vocab // world
-    for rank, loss, grad, impls in got:
+    backends = {b for *_, b in got}
+    assert backends == {"nccl" if torch.cuda.device_count() >= world else "gloo"}, backends
+    for rank, loss, grad, impls, _ in got:
         loss, grad = torch.from_numpy(loss), torch.from_numpy(grad)
         assert impls == [ce.IMPL]
         assert_close(loss, ref_loss, torch.float32, f"rank {rank} loss", scale=5.0)
