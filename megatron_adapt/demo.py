@@ -34,6 +34,8 @@ class RunConfig:
     lr: float = 1e-2
     seed: int = 1234
     bf16: bool = False
+    fp16: bool = False             # with Megatron's dynamic loss scaler from initial_loss_scale
+    initial_loss_scale: float = 2.0 ** 32
     swiglu: bool = False
     normalization: str = "LayerNorm"
     position_embedding: str = "learned_absolute"
@@ -107,11 +109,11 @@ def _train(rank: int, cfg: RunConfig):
     parallel_state.initialize_model_parallel(cfg.tp, cfg.pp)
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)
-    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
     config = TransformerConfig(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
         ffn_hidden_size=cfg.ffn,
-        use_cpu_initialization=True, pipeline_dtype=dtype, params_dtype=dtype, bf16=cfg.bf16,
+        use_cpu_initialization=True, pipeline_dtype=dtype, params_dtype=dtype, bf16=cfg.bf16, fp16=cfg.fp16,
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
         sequence_parallel=cfg.sequence_parallel, normalization=cfg.normalization,
         gated_linear_unit=cfg.swiglu, activation_func=torch.nn.functional.silu if cfg.swiglu else
@@ -126,7 +128,7 @@ def _train(rank: int, cfg: RunConfig):
                      post_process=parallel_state.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=False,
                      position_embedding_type=cfg.position_embedding).to(device)
-    if cfg.bf16:
+    if cfg.bf16 or cfg.fp16:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
@@ -140,8 +142,10 @@ def _train(rank: int, cfg: RunConfig):
     model = DistributedDataParallel(config, ddp_config, model)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=0.01, clip_grad=1.0, bf16=cfg.bf16,
+                        fp16=cfg.fp16, initial_loss_scale=cfg.initial_loss_scale,
                         params_dtype=dtype, use_distributed_optimizer=cfg.distributed_optimizer),
         [model])
+    config.grad_scale_func = optimizer.scale_loss  # as megatron.training does: fp16 loss scaling
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -160,7 +164,7 @@ def _train(rank: int, cfg: RunConfig):
         return output, partial(loss_func, torch.ones_like(labels, dtype=torch.float32))
 
     forward_backward = get_forward_backward_func()
-    losses, grad_norms = [], []
+    losses, grad_norms, skipped, loss_scales = [], [], [], []
     for step in range(cfg.steps):
         batch = _batch(step, cfg)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         micro = iter(batch.split(cfg.micro_batch))
@@ -169,24 +173,27 @@ def _train(rank: int, cfg: RunConfig):
         out = forward_backward(forward_step_func=forward_step, data_iterator=micro, model=model,
                                num_microbatches=num_micro, seq_length=cfg.seq,
                                micro_batch_size=cfg.micro_batch, forward_only=False)
+        loss_scales.append(float(optimizer.get_loss_scale()))
         ok, grad_norm, _ = optimizer.step()
-        assert ok, "optimizer step skipped"
+        if not ok:
+            assert cfg.fp16, "optimizer step skipped without a loss scaler"
+            skipped.append(step + 1)  # an overflow: the scaler skips the step and backs off
         loss = torch.zeros(1, dtype=torch.float32, device=device)
         if parallel_state.is_pipeline_last_stage():
             loss += sum(o["lm loss"] for o in out) / len(out)
             dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
             loss /= cfg.dp
         losses.append(float(loss))
-        grad_norms.append(float(grad_norm))
+        grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
         if cfg.print_every and rank == cfg.world - 1 and (step + 1) % cfg.print_every == 0:
             print(f"  [tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}] step {step + 1:3d}  loss {losses[-1]:.4f}"
-                  f"  grad-norm {grad_norm:.3f}", flush=True)
+                  f"  grad-norm {grad_norms[-1]:.3f}" + ("  (skipped: overflow)" if not ok else ""), flush=True)
     if cfg.save_final_to:
         os.makedirs(cfg.save_final_to, exist_ok=True)
         dist_checkpointing.save(model.module.sharded_state_dict(), cfg.save_final_to)
     state = {k: v.detach().float().cpu().numpy() for k, v in model.module.state_dict().items()
              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
-    result = {"losses": losses, "grad_norms": grad_norms,
+    result = {"losses": losses, "grad_norms": grad_norms, "skipped": skipped, "loss_scales": loss_scales,
               "last_stage": parallel_state.is_pipeline_last_stage(),
               "ops": report.op_counts(), "patches": report.as_dict()["patches"],
               "tp_rank": parallel_state.get_tensor_model_parallel_rank(),

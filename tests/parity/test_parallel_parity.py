@@ -78,3 +78,21 @@ def test_bf16_llama_tp2_matches_single_process(tmp_path):
     tp2 = losses_of(run(replace(llama, tp=2, init_from=init)))
     assert ref[-1] < ref[0] - 0.3, ref
     assert max(abs(a - b) for a, b in zip(ref, tp2)) <= 5e-2, (ref, tp2)
+
+
+def test_fp16_dynamic_loss_scaler_skips_overflows_then_trains():
+    """fp16 through Megatron's mixed-precision optimizer at TP=2 with its default initial loss scale
+    2^32: the first steps overflow in fp16, are skipped and halve the scale (Megatron's
+    DynamicGradScaler); then steps go through and the loss falls (observed: steps 1-14 skipped,
+    scale 2^32 -> 2^19, then 4.88 -> 2.73 by step 30 with two more skips on the way)."""
+    results = run(RunConfig(tp=2, steps=30, backend="cpu", fp16=True, lr=5e-3))
+    last = [r for r in results if r["last_stage"]][0]
+    skipped, scales, losses = last["skipped"], last["loss_scales"], last["losses"]
+    assert skipped[:3] == [1, 2, 3], skipped                           # overflows at 2^32 ...
+    # ... and back the scale off (halving per overflow after Megatron's hysteresis of 2)
+    assert all(b <= a for a, b in zip(scales, scales[1:])) and scales[-1] <= scales[0] / 2 ** 10, scales
+    trained = [i for i in range(1, 31) if i not in skipped]
+    assert len(trained) >= 10 and trained[0] > skipped[0], (skipped, scales)
+    assert scales[-1] < scales[0]
+    assert losses[trained[-1] - 1] < losses[trained[0] - 1] - 0.3, losses  # ... then it trains on
+    assert all(r["skipped"] == skipped for r in results)               # every rank skips together
