@@ -18,7 +18,10 @@ def probe(scenario: str, env_items: tuple = ()):
 def specs_of(area):
     from megatron_adapt.core import all_specs
 
-    return [s for s in all_specs() if s.area == area and not s.module.startswith(("megatron.training", "megatron.legacy"))]
+    from probe import _present
+
+    return [s for s in all_specs() if s.area == area and _present(s)
+            and not s.module.startswith(("megatron.training", "megatron.legacy"))]
 
 
 class PatchContract:

@@ -15,7 +15,20 @@ import megatron_adapt  # noqa: E402
 from megatron_adapt import applier  # noqa: E402
 from megatron_adapt.core import all_specs  # noqa: E402
 
-SPECS = [s for s in all_specs() if not s.module.startswith(("megatron.training", "megatron.legacy"))]
+def _present(spec):
+    """Optional specs whose module this megatron-core lacks (e.g. a 0.16-only module on 0.15) are
+    left out: the applier reports them as skipped, there is nothing to probe."""
+    if not spec.optional:
+        return True
+    import importlib.util
+    try:
+        return importlib.util.find_spec(spec.module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+SPECS = [s for s in all_specs()
+         if not s.module.startswith(("megatron.training", "megatron.legacy")) and _present(s)]
 MODULES = sorted({s.module for s in SPECS})
 # Consumers that import patched names into their own globals: each must see our object.
 ALIASES = {
