@@ -4,7 +4,9 @@ from __future__ import annotations
 import atexit
 import importlib
 import logging
+import os
 import platform
+import sys
 
 from . import applier, report as _report
 from .config import Config
@@ -83,9 +85,6 @@ def apply(backend: str | None = None, **switches):
 
 
 def _write_report_at_exit():
-    import os
-    import sys
-
     config = _state.get("config")
     if config and config.report_path:
         path = config.report_path

@@ -16,12 +16,6 @@ LAYERS = "megatron.core.tensor_parallel.layers"
 APEX_PRESENT = "apex's fused_weight_gradient_mlp_cuda is installed; Megatron uses it"
 
 
-def _apex_present() -> bool:
-    import sys
-    return getattr(sys.modules.get(LAYERS), "fused_weight_gradient_mlp_cuda", None) is not None \
-        and not getattr(sys.modules[LAYERS].fused_weight_gradient_mlp_cuda, "__megatron_adapt__", False)
-
-
 def build_extension(backend, original):
     if original is not None:
         raise SkipPatch(APEX_PRESENT)
@@ -29,22 +23,15 @@ def build_extension(backend, original):
     ext = types.ModuleType("megatron_adapt.wgrad_accumulate",
                            "apex fused_weight_gradient_mlp_cuda's API on the backend's wgrad_accumulate op")
 
-    def wgrad_gemm_accum_fp32(input, grad_output, main_grad):  # noqa: A002 (apex's names)
-        wgrad(input, grad_output, main_grad)
-
-    def wgrad_gemm_accum_fp16(input, grad_output, main_grad):  # noqa: A002
-        wgrad(input, grad_output, main_grad)
-
-    ext.wgrad_gemm_accum_fp32 = wgrad_gemm_accum_fp32
-    ext.wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp16
-    ext.__megatron_adapt__ = True
+    # apex has one entry point per main_grad dtype; the backend op takes both.
+    ext.wgrad_gemm_accum_fp32 = ext.wgrad_gemm_accum_fp16 = wgrad
     ext.__megatron_adapt_impl__ = f"{backend.name}.wgrad_accumulate"
     return ext
 
 
 def build_available(backend, original):
-    if original:
-        raise SkipPatch(APEX_PRESENT if _apex_present() else "already available")
+    if original:  # only apex's import sets it: our module global above leaves the flag alone
+        raise SkipPatch(APEX_PRESENT)
     return True
 
 

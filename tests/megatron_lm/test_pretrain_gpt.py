@@ -222,18 +222,23 @@ def _scaler_trains_on(run: Run):
     assert run.losses[trained[-1]] < run.losses[trained[0]] - 0.3, run.losses
 
 
+def launch_script(script: str, args: list[str], tmp: Path, name: str, env: dict, timeout: int = 300) -> Run:
+    """A tests_gpt launch script, the way a user runs it; a fresh master port each time."""
+    proc = subprocess.run([str(REPO / "tests_gpt" / script), *args],
+                          env={**_env(), "MASTER_PORT": str(_free_port()), **env}, cwd=tmp,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    log = tmp / f"{name}.log"
+    log.write_text(proc.stdout)
+    return Run(proc, log)
+
+
 def test_launch_script_fp16_loss_scaler_bsh_llama_sliding_window(tmp_path):
     """tests_gpt/pretrain_gpt_fp16.sh at its defaults (Megatron's 2^32 initial loss scale, 30
     iterations): PP=2, llama-like, --pre/--next window, --shape_order BSH (attention on batch-first
     copies)."""
-    env = _env()
-    env.update(PP="2", LLAMA="1", MASTER_PORT=str(_free_port()),
-               MEGATRON_ADAPT_REPORT=str(tmp_path / "report.json"))
-    proc = subprocess.run([str(REPO / "tests_gpt" / "pretrain_gpt_fp16.sh"), "--shape_order", "BSH",
-                           "--pre=16", "--next=0"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=300)
-    (tmp_path / "script.log").write_text(proc.stdout)
-    run = Run(proc, tmp_path / "script.log")
+    run = launch_script("pretrain_gpt_fp16.sh", ["--shape_order", "BSH", "--pre=16", "--next=0"],
+                        tmp_path, "script", env=dict(PP="2", LLAMA="1",
+                                                     MEGATRON_ADAPT_REPORT=str(tmp_path / "report.json")))
     assert run.rc == 0, run.out[-6000:]
     assert "--window-size 16,0" in run.out and "--fp16" in run.out and "--initial-loss-scale" not in run.out
     assert_patched(run)
@@ -254,12 +259,8 @@ def test_gpt3_example_arguments_scaled_down(tmp_path):
     the checkout): default --transformer-impl, --attention-backend auto, fp16 from a 2^32 loss
     scale, batch-size ramp-up, every fusion at its default; tiny sizes, TP=2, mock data, with
     --save/--load into one directory as the example has."""
-    env = _env()
-    env.update(MASTER_PORT=str(_free_port()), CKPT=str(tmp_path / "ckpt"))
-    proc = subprocess.run([str(REPO / "tests_gpt" / "pretrain_gpt3_example.sh")], env=env, cwd=tmp_path,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
-    (tmp_path / "gpt3.log").write_text(proc.stdout)
-    run = Run(proc, tmp_path / "gpt3.log")
+    run = launch_script("pretrain_gpt3_example.sh", [], tmp_path, "gpt3",
+                        env=dict(CKPT=str(tmp_path / "ckpt")), timeout=400)
     assert run.rc == 0, run.out[-6000:]
     for flag in ("--attention-backend auto", "--fp16", "--rampup-batch-size 16 16 5859375", "--init-method-std 0.006"):
         assert flag in run.out, flag                                  # the example's own flags ...
