@@ -195,3 +195,40 @@ def test_value_patches_sharing_a_singleton_both_apply_and_create_specs_revert_by
     out = run_python(code).stdout.splitlines()
     assert out[-2] == "['applied', 'applied', 'applied'] True False ('made', None)", out
     assert out[-1] == "False True False", out
+
+
+def test_unknown_attention_layout_fails_clearly():
+    out = expect_error("megatron_adapt.apply('cpu')", env={"MEGATRON_ADAPT_AUTO": "0",
+                                                           "MEGATRON_ADAPT_ATTENTION_LAYOUT": "hbs"})
+    assert "ConfigError" in out and "MEGATRON_ADAPT_ATTENTION_LAYOUT='hbs'" in out and "bshd" in out, out
+
+
+def test_batch_first_attention_layout_matches_megatron():
+    """MEGATRON_ADAPT_ATTENTION_LAYOUT=bshd: Megatron's DotProductAttention on batch-first copies
+    gives Megatron's own result (causal with the dataloader mask, and a padding mask)."""
+    code = textwrap.dedent("""
+        import os, torch
+        os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='29533', RANK='0', WORLD_SIZE='1')
+        import megatron_adapt
+        megatron_adapt.apply('cpu', quiet=True)
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron.core.transformer import TransformerConfig
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+        from megatron.core.transformer.enums import AttnMaskType
+        from megatron_adapt import applier, report
+        dist.init_process_group('gloo'); parallel_state.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(0)
+        cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, attention_dropout=0.0)
+        core = DotProductAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type='self')
+        orig = applier.installed()['megatron.core.transformer.dot_product_attention:DotProductAttention.forward'].original
+        q, k, v = (torch.randn(16, 2, 4, 8) for _ in range(3))
+        causal = torch.ones(2, 1, 16, 16, dtype=torch.bool).triu(1)
+        pad = torch.rand(2, 1, 16, 16) > 0.8; pad[..., 0] = False
+        ok = torch.allclose(core(q, k, v, causal), orig(core, q, k, v, causal), atol=1e-5)
+        ok &= torch.allclose(core(q, k, v, pad, AttnMaskType.padding), orig(core, q, k, v, pad, AttnMaskType.padding), atol=1e-5)
+        print('LAYOUT', report.as_dict()['attention_layout'], 'MATCH', bool(ok), 'CALLS', sum(report.op_counts()['attention'].values()))
+    """)
+    out = run_python(code, env={"MEGATRON_ADAPT_AUTO": "0", "MEGATRON_ADAPT_ATTENTION_LAYOUT": "BSH"}).stdout
+    assert "LAYOUT bshd MATCH True CALLS 2" in out, out
