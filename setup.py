@@ -24,7 +24,7 @@ setup(
     install_requires=["torch>=2.4", "wrapt>=1.15", "packaging"],
     extras_require={
         "megatron": ["megatron-core>=0.15.0,<0.17"] + MEGATRON_LM_RUNTIME,
-        "test": ["pytest>=7", "megatron-core>=0.15.0,<0.17", "triton", "numpy"] + MEGATRON_LM_RUNTIME,
+        "test": ["pytest>=7", "megatron-core>=0.15.0,<0.17", "triton", "numpy", "liger-kernel"] + MEGATRON_LM_RUNTIME,
         "cuda": ["triton>=3.0"],
         "npu": [],  # torch_npu comes from Ascend's own index, matched to the CANN toolkit
     },

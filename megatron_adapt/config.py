@@ -14,6 +14,8 @@ ENV_REPORT = "MEGATRON_ADAPT_REPORT"
 ENV_AUTO = "MEGATRON_ADAPT_AUTO"  # "0": `import megatron_adapt` does not apply (library / test use)
 ENV_QUIET = "MEGATRON_ADAPT_QUIET"  # "1": no start-up table on rank 0
 ENV_ATTENTION_LAYOUT = "MEGATRON_ADAPT_ATTENTION_LAYOUT"  # sbhd (SBH) | bshd (BSH)
+ENV_EXTERNAL = "MEGATRON_ADAPT_EXTERNAL"  # auto | off | liger | apex (backends/cuda/providers.py)
+EXTERNAL_MODES = ("auto", "off", "liger", "apex")
 ATTENTION_LAYOUTS = {"sbhd": "sbhd", "sbh": "sbhd", "bshd": "bshd", "bsh": "bshd"}
 
 
@@ -34,6 +36,15 @@ def _layout(value: str | None) -> str:
     return ATTENTION_LAYOUTS[key]
 
 
+def _external(value: str | None) -> str:
+    mode = (value or "auto").strip().lower()
+    if mode not in EXTERNAL_MODES:
+        from .errors import ConfigError
+        raise ConfigError(f"{ENV_EXTERNAL}={value!r}: expected one of {', '.join(EXTERNAL_MODES)} "
+                          "(auto: another library's kernel only where it measures faster)")
+    return mode
+
+
 @dataclass(frozen=True)
 class Config:
     backend: str = "auto"
@@ -42,19 +53,21 @@ class Config:
     report_path: str | None = None
     quiet: bool = False
     attention_layout: str = "sbhd"  # memory order the attention kernel reads q/k/v in
+    external: str = "auto"          # other libraries' kernels: auto (where faster) | off | liger | apex
 
     @classmethod
     def resolve(cls, backend: str | None = None, **switches) -> "Config":
         """Explicit arguments win over the environment.
 
-        switches: strict=bool, report_path=str, quiet=bool, disable=iterable of areas, and
+        switches: strict=bool, report_path=str, quiet=bool, attention_layout=str, external=str,
+        disable=iterable of areas, and
         ``<area>=False`` to turn one patch area off (``cross_entropy=False``).
         """
         env = os.environ
         disabled = set(_split(env.get(ENV_DISABLE)))
         disabled |= set(switches.pop("disable", ()) or ())
         for key in list(switches):
-            if key in ("strict", "report_path", "quiet", "attention_layout"):
+            if key in ("strict", "report_path", "quiet", "attention_layout", "external"):
                 continue
             value = switches.pop(key)
             if value is False:
@@ -70,6 +83,7 @@ class Config:
             report_path=switches.get("report_path", env.get(ENV_REPORT) or None),
             quiet=switches.get("quiet", _truthy(env.get(ENV_QUIET))),
             attention_layout=_layout(switches.get("attention_layout", env.get(ENV_ATTENTION_LAYOUT))),
+            external=_external(switches.get("external", env.get(ENV_EXTERNAL))),
         )
 
     def enabled(self, area: str) -> bool:

@@ -68,7 +68,7 @@ def apply(backend: str | None = None, **switches):
     _report.set_context(strict=config.strict, backend=chosen.name, backend_reason=why,
                         megatron_core=str(version) if version else None, torch=torch.__version__,
                         python=platform.python_version(), backend_description=chosen.describe(),
-                        attention_layout=config.attention_layout)
+                        attention_layout=config.attention_layout, external=config.external)
     device = chosen.device()
     try:
         if device is not None and config.enabled("device"):

@@ -6,6 +6,7 @@ shown in the table, and with MEGATRON_ADAPT_STRICT=1 it raises.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -35,6 +36,7 @@ _op_counts: Counter = Counter()            # (op, impl) -> calls
 _op_fallbacks: dict[tuple[str, str], str] = {}   # (op, impl) -> first reason
 _strict = False
 _context: dict = {}
+_selections: list[dict] = []               # providers' choices: op, inputs, chosen, how, timings
 
 
 def set_context(*, strict: bool, **info) -> None:
@@ -65,6 +67,22 @@ def fell_back(op: str, impl: str, reason: str) -> None:
     _op_fallbacks.setdefault((op, impl), reason)
 
 
+def selected(op: str, inputs: str, chosen: str, how: str, notes: dict) -> None:
+    """An op's implementation for one input signature was chosen among libraries (providers)."""
+    _selections.append({"op": op, "inputs": inputs, "chosen": chosen, "how": how, "candidates": notes})
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Calls made inside (a providers measurement) leave the op counts as they were."""
+    saved = _op_counts.copy()
+    try:
+        yield
+    finally:
+        _op_counts.clear()
+        _op_counts.update(saved)
+
+
 def op_counts() -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for (op, impl), n in sorted(_op_counts.items()):
@@ -75,6 +93,7 @@ def op_counts() -> dict[str, dict[str, int]]:
 def reset_op_counts() -> None:
     _op_counts.clear()
     _op_fallbacks.clear()
+    _selections.clear()
 
 
 def as_dict() -> dict:
@@ -87,6 +106,7 @@ def as_dict() -> dict:
              "fallback_reason": _op_fallbacks.get((op, impl), "")}
             for (op, impl), n in sorted(_op_counts.items())
         ],
+        "selections": list(_selections),
     }
 
 
@@ -109,6 +129,11 @@ def format_table(data: dict | None = None) -> str:
         for o in data["ops"]:
             why = f"  FELL BACK: {o['fallback_reason']}" if o["fallback_reason"] else ""
             lines.append(f"  {o['op']:<28} {o['implementation']:<36} {o['calls']:>8}{why}")
+    for sel in data.get("selections", []):
+        if not lines[-1].startswith("  chosen"):
+            lines.append("implementations chosen among installed libraries:")
+        others = ", ".join(f"{k}={v}" for k, v in sel["candidates"].items())
+        lines.append(f"  chosen {sel['chosen']:<32} for {sel['op']} [{sel['inputs']}]: {sel['how']}; {others}")
     return "\n".join(lines)
 
 

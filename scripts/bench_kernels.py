@@ -26,6 +26,28 @@ import torch.nn.functional as F
 
 ROWS = []
 COPY_GBPS = None
+SELECT = []   # (op, args) at the benchmark's shapes, for the providers' tournament
+
+
+def ours(be, name):
+    """Our kernel itself: the op without the providers' choice among installed libraries."""
+    op = be.op(name)
+    return getattr(op, "ours", op)
+
+
+def run_selections(be, path):
+    """What the providers would choose at the benchmark's shapes (when a library is installed)."""
+    import json
+    from megatron_adapt import report
+    from megatron_adapt.backends.cuda import providers
+    report.reset_op_counts()
+    for name, op_args in SELECT:
+        providers._choose(name, ours(be, name), op_args, "auto")
+    sel = report.as_dict()["selections"]
+    for s in sel:
+        print(f"  {s['op']} [{s['inputs']}]: {s['chosen']} ({s['how']}; {s['candidates']})", flush=True)
+    with open(path, "w") as f:
+        json.dump(sel, f, indent=1)
 
 
 def bench(fn, warmup=25, rep=100):
@@ -171,7 +193,7 @@ def bench_norms(be, args, dev):
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * w
 
-    rms = be.op("rms_norm")
+    rms = ours(be, "rms_norm")
     fb = (2 * t * h * 2, 3 * t * h * 2)  # fwd r x w y; bwd r x,dy w dx
     f, b = split_fns(lambda: rms(x, w, 1e-5), [x, w], dy)
     record("rms_norm", shape, "ours", fwd_bwd(lambda: rms(x, w, 1e-5), [x, w], dy), nb, model,
@@ -185,7 +207,7 @@ def bench_norms(be, args, dev):
     if liger():
         from liger_kernel.transformers.functional import liger_rms_norm
         record("rms_norm", shape, "liger", fwd_bwd(lambda: liger_rms_norm(x, w, 1e-5), [x, w], dy), nb, model)
-    ln = be.op("layer_norm")
+    ln = ours(be, "layer_norm")
     f, b = split_fns(lambda: ln(x, w, bias, 1e-5), [x, w, bias], dy)
     record("layer_norm", shape, "ours", fwd_bwd(lambda: ln(x, w, bias, 1e-5), [x, w, bias], dy), nb, model,
            split=(f, fb[0], b, fb[1]))
@@ -195,6 +217,12 @@ def bench_norms(be, args, dev):
     c = maybe_compile(lambda x, w, b: F.layer_norm(x, (h,), w, b, 1e-5), args)
     if c:
         record("layer_norm", shape, "torch_compile", fwd_bwd(lambda: c(x, w, bias), [x, w, bias], dy), nb, model)
+    if liger():
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+        record("layer_norm", shape, "liger",
+               fwd_bwd(lambda: LigerLayerNormFunction.apply(x, w, bias, 1e-5), [x, w, bias], dy), nb, model)
+    SELECT.append(("rms_norm", (x, w, 1e-5)))
+    SELECT.append(("layer_norm", (x, w, bias, 1e-5)))
 
 
 def bench_softmax(be, args, dev):
@@ -223,8 +251,9 @@ def bench_swiglu(be, args, dev):
     nb = 8 * t * f * 2
     model = "fwd r 2F w F; bwd r 2F,F w 2F = 8*T*F*2B"
     shape = f"{t}x(2*{f}) bf16"
-    op = be.op("swiglu")
+    op = ours(be, "swiglu")
     record("swiglu", shape, "ours", fwd_bwd(lambda: op(x), [x], dy), nb, model)
+    SELECT.append(("swiglu", (x,)))
     if args.compile:
         mswiglu = megatron_swiglu_fns()
         record("swiglu", shape, "megatron_stock", fwd_bwd(lambda: mswiglu(x), [x], dy), nb, model,
@@ -264,7 +293,7 @@ def bench_rope(be, args, dev):
 
 def bench_ce(be, args, dev):
     from megatron_adapt.backends.cpu.cross_entropy import vocab_parallel_cross_entropy as megatron_ce
-    op = be.op("vocab_parallel_cross_entropy")
+    op = ours(be, "vocab_parallel_cross_entropy")
     for v in (32000, 128256):
         t = args.ce_tokens
         x = torch.randn(t, v, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -277,6 +306,7 @@ def bench_ce(be, args, dev):
         f, b = split_fns(lambda: op(x, tg, 0.0, None), [x], g)
         record("cross_entropy", shape, "ours", fwd_bwd(lambda: op(x, tg, 0.0, None), [x], g), nb, model,
                split=(f, t * v * 2, b, 2 * t * v * 2))
+        SELECT.append(("vocab_parallel_cross_entropy", (x, tg, 0.0, None)))
         record("cross_entropy", shape, "megatron_stock", fwd_bwd(lambda: megatron_ce(x, tg, 0.0, None), [x], g),
                nb, model, note="VocabParallelCrossEntropy math (fp32 copy, saved softmax)")
         record("cross_entropy", shape, "torch_eager",
@@ -433,6 +463,9 @@ def main(argv=None):
         w.writerows(ROWS)
     print(f"wrote {path}")
     plot(os.path.join(args.out, "kernels.png"))
+    if liger():
+        print("[providers: ours or an installed library, per op at these shapes]", flush=True)
+        run_selections(be, os.path.join(args.out, "selections.json"))
 
 
 if __name__ == "__main__":

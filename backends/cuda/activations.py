@@ -12,6 +12,7 @@ import triton.language as tl
 from megatron_adapt import report
 
 from ._common import fallback, kernel_reason
+from . import providers
 
 BLOCK = 1024
 
@@ -119,6 +120,7 @@ class _BiasGeLU(torch.autograd.Function):
         return db, dy.view(ctx.shape)
 
 
+@providers.selectable("swiglu")
 def swiglu(x):
     why = kernel_reason(x) or (None if x.size(-1) % 2 == 0 else "odd last dim")
     if why:

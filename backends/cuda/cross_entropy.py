@@ -24,6 +24,7 @@ import triton.language as tl
 from megatron_adapt import report
 
 from ._common import fallback, kernel_reason, next_pow2
+from . import providers
 
 IMPL = "cuda.triton.online_softmax"
 CHUNK = 4096          # forward chunk width
@@ -261,6 +262,7 @@ def _reduce_stats(stats, t, start, part, world, tp_group, smooth, smoothing, voc
     return loss, log_sum_exp + gmax  # loss, absolute log-sum-exp of the raw logits
 
 
+@providers.selectable("vocab_parallel_cross_entropy")
 def vocab_parallel_cross_entropy(logits, target, label_smoothing=0.0, tp_group=None):
     why = kernel_reason(logits)
     if why:

@@ -16,6 +16,13 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
+def _ours_only(monkeypatch):
+    """These tests check OUR kernels: no other library's kernel may be chosen for a call (with
+    Liger-Kernel installed it wins some shapes). test_cuda_providers sets its own mode."""
+    monkeypatch.setenv("MEGATRON_ADAPT_EXTERNAL", "off")
+
+
+@pytest.fixture(autouse=True)
 def _release_gpu_cache():
     """With a GPU, hand cached blocks back after each test: under `pytest -n 16` on an 80 GB
     H100, 16 workers' caches left the TP=2 test's spawned ranks out of memory."""

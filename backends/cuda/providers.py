@@ -1,0 +1,350 @@
+"""Other libraries' kernels (Liger-Kernel, apex) for an op, used only where they measure faster.
+
+With one of them installed, the first call of an op with a new input signature (shapes, dtypes,
+which inputs need gradients) is a small tournament on the GPU: ours and each candidate that can
+serve the call run forward and backward on copies of the call's inputs (a random output
+gradient), their GPU time measured with CUDA events; a candidate that raises, or whose output
+or input gradients disagree with ours, is out. A candidate wins only when it is more than MARGIN faster, so near-ties stay on ours
+(and so do the ranks of one job, which measure the same kernels on the same GPU model). Every
+decision, with both timings, goes to the report (`selections`), and every call reports the
+implementation that ran.
+
+MEGATRON_ADAPT_EXTERNAL (config.external):
+  auto   (default) measure as above when a candidate library is importable;
+  off    ours only;
+  liger, apex   that library wherever it can serve, without measuring (ours elsewhere).
+
+Transformer Engine is not a candidate here: when it is installed, Megatron builds its layers
+from TE's modules and megatron-adapt's layer-spec, optimizer and wgrad patches step aside
+(their report lines say so).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from megatron_adapt import report
+
+MARGIN = 0.05   # a candidate must be this much faster than ours to be chosen
+WARMUP, REPS = 2, 10
+# agreement with ours: max |a - b| <= TOL * max |ours| per output and input gradient
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    library: str
+    impl: str                                  # report name
+    module: str                                # imported to tell whether it is installed
+    serves: Callable[..., str | None]          # (*op args) -> None, or why it cannot serve them
+    run: Callable                              # the op's signature, autograd included
+
+
+# ---- the candidates, written against each library's public functions --------------------------
+
+def _same_float_dtype(*tensors):
+    dtypes = {t.dtype for t in tensors if t is not None}
+    return None if len(dtypes) == 1 else f"mixed dtypes {sorted(map(str, dtypes))}"
+
+
+def _liger_rms_norm(x, weight, eps):
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    # "gemma" casting: everything in fp32, one rounding at the end, as ours and Megatron's.
+    # in_place=False: Megatron's residual branch still reads dY after the norm's backward.
+    return LigerRMSNormFunction.apply(x, weight, float(eps), 0.0, "gemma", False)
+
+
+def _liger_layer_norm(x, weight, bias, eps):
+    from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+    return LigerLayerNormFunction.apply(x, weight, bias, float(eps))
+
+
+def _liger_cross_entropy(logits, target, label_smoothing=0.0, tp_group=None):
+    from liger_kernel.transformers.functional import liger_cross_entropy
+    v = logits.size(-1)
+    loss = liger_cross_entropy(logits.reshape(-1, v), target.reshape(-1), reduction="none")
+    return loss.float().view(target.shape)
+
+
+def _liger_swiglu(x):
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    a, b = torch.chunk(x, 2, dim=-1)
+    return LigerSiLUMulFunction.apply(a, b)
+
+
+def _apex_rms_norm(x, weight, eps):
+    from apex.normalization.fused_layer_norm import fused_rms_norm_affine
+    return fused_rms_norm_affine(x, weight, weight.shape, float(eps))
+
+
+def _apex_layer_norm(x, weight, bias, eps):
+    from apex.normalization.fused_layer_norm import fused_layer_norm_affine
+    return fused_layer_norm_affine(x, weight, bias, weight.shape, float(eps))
+
+
+def _ce_serves(logits, target, label_smoothing=0.0, tp_group=None):
+    if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
+        return "vocab split over tensor parallelism (the candidate needs the whole vocabulary)"
+    if label_smoothing:
+        return "label smoothing (Megatron's formula differs from the candidate's)"
+    return None
+
+
+CANDIDATES: dict[str, list[Candidate]] = {
+    "rms_norm": [
+        Candidate("liger", "liger.LigerRMSNormFunction", "liger_kernel",
+                  lambda x, w, eps: _same_float_dtype(x, w), _liger_rms_norm),
+        Candidate("apex", "apex.fused_rms_norm_affine", "fused_layer_norm_cuda",
+                  lambda x, w, eps: _same_float_dtype(x, w), _apex_rms_norm),
+    ],
+    "layer_norm": [
+        Candidate("liger", "liger.LigerLayerNormFunction", "liger_kernel",
+                  lambda x, w, b, eps: "no bias" if b is None else _same_float_dtype(x, w, b),
+                  _liger_layer_norm),
+        Candidate("apex", "apex.fused_layer_norm_affine", "fused_layer_norm_cuda",
+                  lambda x, w, b, eps: "no bias" if b is None else _same_float_dtype(x, w, b),
+                  _apex_layer_norm),
+    ],
+    "vocab_parallel_cross_entropy": [
+        Candidate("liger", "liger.LigerCrossEntropyFunction", "liger_kernel", _ce_serves,
+                  _liger_cross_entropy),
+    ],
+    "swiglu": [
+        Candidate("liger", "liger.LigerSiLUMulFunction", "liger_kernel",
+                  lambda x: None if x.size(-1) % 2 == 0 else "odd last dim", _liger_swiglu),
+    ],
+}
+LIBRARIES = ("liger", "apex")
+
+
+@functools.lru_cache(maxsize=None)
+def installed(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+        return True
+    except Exception:  # not installed, or installed without its compiled parts
+        return False
+
+
+def _mode() -> str:
+    from megatron_adapt.core import active_config
+    return active_config().external
+
+
+# ---- the tournament ---------------------------------------------------------------------------
+
+_decisions: dict[tuple, Candidate | None] = {}   # signature -> winner (None: ours)
+
+
+def _signature(op, args):
+    sig = [op]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            sig.append((tuple(a.shape), a.dtype, a.requires_grad, a.is_contiguous()))
+        elif isinstance(a, (int, float, bool, str)) or a is None:
+            sig.append(a)
+        else:  # process groups and the like
+            sig.append(type(a).__name__)
+    return tuple(sig)
+
+
+def _clone(inputs):
+    """Copies of the call's inputs: floats as new leaves (kernels may write into their input)."""
+    return [a.detach().clone().requires_grad_(a.requires_grad)
+            if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in inputs]
+
+
+def _fwd_bwd(fn, inputs, dy):
+    """One call on copies of `inputs` (kernels may write into their input): (out, input grads)."""
+    xs = _clone(inputs)
+    out = fn(*xs)
+    leaves = [a for a in xs if isinstance(a, torch.Tensor) and a.requires_grad]
+    grads = torch.autograd.grad(out, leaves, dy, allow_unused=True) if leaves else ()
+    return out, grads
+
+
+def _time_ms(fn, inputs, dy) -> float:
+    """Milliseconds of one fwd+bwd call: GPU time on a GPU, the wall clock elsewhere.
+
+    On a GPU the calls are queued behind a GPU sleep (torch.cuda._sleep) long enough for the CPU
+    to enqueue all of them, then run back to back between two events: what is measured is the
+    kernels' time, not Python's and autograd's launch cost (which training hides by running
+    ahead of the GPU). The copies of the inputs each call makes are timed alone and subtracted.
+    """
+    for _ in range(WARMUP):
+        _fwd_bwd(fn, inputs, dy)
+    if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in inputs):
+        times = []
+        for _ in range(REPS):
+            t0 = time.perf_counter()
+            _fwd_bwd(fn, inputs, dy)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[len(times) // 2]
+    return max(_queued_ms(lambda: _fwd_bwd(fn, inputs, dy)) - _queued_ms(lambda: _clone(inputs)), 1e-4)
+
+
+@functools.lru_cache(maxsize=None)
+def _sleep_cycles_per_ms(device) -> float:
+    torch.cuda._sleep(1000)            # loads the kernel: its first launch is slow
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / max(start.elapsed_time(end), 1e-3)
+
+
+def _queued_ms(run) -> float:
+    """GPU ms per call of `run`, REPS calls queued behind a GPU sleep. If the sleep ended before
+    the CPU had queued them all (the start event already done), the GPU may have idled between
+    calls: sleep longer and measure again."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    sleep_ms = 2 * REPS * (time.perf_counter() - t0) * 1e3 + 1
+    cycles = _sleep_cycles_per_ms(torch.cuda.current_device())
+    for _ in range(4):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(cycles * sleep_ms))
+        start.record()
+        for _ in range(REPS):
+            run()
+        queued = not start.query()
+        end.record()
+        end.synchronize()
+        if queued:
+            break
+        sleep_ms *= 4   # (a call that synchronises with the host never queues: its last try stands)
+    return start.elapsed_time(end) / REPS
+
+
+def _disagreement(ref, got, dtype):
+    """None when `got` (out, grads) matches `ref` within TOL, else what differs."""
+    (ro, rg), (go, gg) = ref, got
+    for name, r, g in [("output", ro, go)] + [(f"gradient {i}", a, b) for i, (a, b) in enumerate(zip(rg, gg))]:
+        if r is None or g is None or r.shape != g.shape:
+            return f"{name}: shape {None if g is None else tuple(g.shape)} != {tuple(r.shape)}"
+        r, g = r.detach().float(), g.detach().float()
+        err, scale = (r - g).abs().max().item(), r.abs().max().item()
+        if not err <= TOL.get(dtype, 1e-4) * max(scale, 1e-6):
+            return f"{name} differs from ours by {err:.3g} (max |ours| {scale:.3g})"
+    return None
+
+
+def measure(ours, candidates, args):
+    """Time ours and each candidate on copies of `args`; return (winner or None, notes)."""
+    with torch.enable_grad(), report.uncounted():
+        # the call's own data (cloned per run): agreement is checked on what training feeds
+        inputs = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor)
+                  and a.is_floating_point() else a for a in args]
+        dtype = next(a.dtype for a in inputs if isinstance(a, torch.Tensor) and a.is_floating_point())
+        dy = _dy(ours, inputs)
+        ref = _fwd_bwd(ours, inputs, dy)
+        best, best_ms = None, _time_ms(ours, inputs, dy)
+        notes = {"ours_ms": round(best_ms, 4)}
+        for cand in candidates:
+            try:
+                why = _disagreement(ref, _fwd_bwd(cand.run, inputs, dy), dtype)
+                if why:
+                    notes[cand.impl] = f"rejected: {why}"
+                    continue
+                ms = _time_ms(cand.run, inputs, dy)
+            except Exception as exc:  # a library version with another API, an unsupported shape
+                notes[cand.impl] = f"rejected: raised {type(exc).__name__}: {str(exc)[:160]}"
+                continue
+            notes[cand.impl] = round(ms, 4)
+            if ms < best_ms * (1.0 - MARGIN):
+                best, best_ms = cand, ms
+    return best, notes
+
+
+def _dy(fn, inputs):
+    with torch.no_grad():
+        out = fn(*_clone(inputs))
+    return torch.randn_like(out)
+
+
+def _choose(op, ours, args, mode):
+    cands = [c for c in CANDIDATES.get(op, ()) if (mode == "auto" or c.library == mode)
+             and installed(c.module)]
+    if not cands:
+        return None
+    key = _signature(op, args)
+    if key in _decisions:
+        return _decisions[key]
+    serving, notes = [], {}
+    for c in cands:
+        why = c.serves(*args)
+        if why:
+            notes[c.impl] = f"cannot serve: {why}"
+        else:
+            serving.append(c)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if mode != "auto":      # forced: the library wherever it can serve, unmeasured
+        winner = serving[0] if serving else None
+        how = (f"{mode} requested (MEGATRON_ADAPT_EXTERNAL={mode}), not measured" if winner else
+               f"{mode} requested (MEGATRON_ADAPT_EXTERNAL={mode}) but cannot serve this call")
+    elif not serving:
+        winner, how = None, "no candidate can serve this call"
+    elif not all(t.is_cuda for t in tensors):
+        return None         # the Triton interpreter on CPU: timings would mean nothing; ours
+    elif torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
+        return None         # cannot time inside a CUDA graph capture or a compiled region
+    else:
+        try:
+            winner, timed = measure(ours, serving, args)
+            notes.update(timed)
+            how = "measured (GPU ms per fwd+bwd on this GPU)"
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            winner, how = None, "measurement ran out of GPU memory: ours, unmeasured"
+    _decisions[key] = winner
+    report.selected(op, _describe(key), winner.impl if winner else "ours", how, notes)
+    return winner
+
+
+def _describe(key):
+    parts = []
+    for k in key[1:]:
+        if isinstance(k, tuple) and len(k) == 4:
+            shape, dtype, grad, _ = k
+            parts.append(f"{list(shape)} {str(dtype).replace('torch.', '')}{' grad' if grad else ''}")
+    return ", ".join(parts)
+
+
+def selectable(op):
+    """Wrap our op `op`: calls go to a faster installed library's kernel where one was chosen."""
+    def wrap(ours):
+        libs = {c.module for c in CANDIDATES.get(op, ())}
+
+        params = inspect.signature(ours)
+
+        @functools.wraps(ours)
+        def call(*args, **kwargs):
+            if kwargs:
+                args = tuple(params.bind(*args, **kwargs).args)
+            if libs and any(installed(m) for m in libs):
+                mode = _mode()
+                if mode != "off":
+                    winner = _choose(op, ours, args, mode)
+                    if winner is not None:
+                        report.ran(op, winner.impl)
+                        return winner.run(*args)
+            return ours(*args)
+        call.ours = ours
+        return call
+    return wrap
+
+
+def reset() -> None:
+    """Forget the decisions (tests; a new configuration)."""
+    _decisions.clear()
+    installed.cache_clear()

@@ -1,0 +1,217 @@
+"""Other libraries' kernels as candidates (backends/cuda/providers.py).
+
+- Liger-Kernel for real: its cross entropy runs under the Triton interpreter, so the forced mode
+  (MEGATRON_ADAPT_EXTERNAL=liger) is checked in CI; with a GPU, the measured mode (auto) runs
+  the tournament on real kernels and whatever wins must match the fp32 reference.
+- The tournament itself (`measure`) on CPU functions whose speed and correctness we control.
+- apex: its two norm functions, emulated with apex's public signatures (apex needs a CUDA build
+  and is not installable here); a real apex that differs is caught by the agreement check.
+"""
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+from megatron_adapt import report
+from megatron_adapt.backends.cuda import providers
+from megatron_adapt.config import Config
+from megatron_adapt.errors import ConfigError
+
+from _cuda_helpers import DEVICE, GPU, assert_close, ran_impl, reset
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    providers.reset()
+    reset()
+    yield
+    providers.reset()
+    reset()
+
+
+def _rms_ref(x, w, eps=1e-5):
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+
+
+def test_unknown_mode_is_a_config_error(monkeypatch):
+    monkeypatch.setenv("MEGATRON_ADAPT_EXTERNAL", "tritonx")
+    with pytest.raises(ConfigError, match="MEGATRON_ADAPT_EXTERNAL"):
+        Config.resolve()
+    assert Config.resolve(external="OFF").external == "off"
+
+
+# ---- the tournament, on functions whose speed and correctness the test sets ------------------
+
+def _slow(fn, ms):
+    def run(*args):
+        time.sleep(ms / 1e3)
+        return fn(*args)
+    return run
+
+
+def _cand(name, fn):
+    return providers.Candidate("lib", name, "torch", lambda *a: None, fn)
+
+
+def _torch_rms(x, w, eps):
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w)
+
+
+ARGS = (torch.randn(8, 32, requires_grad=True), torch.randn(32, requires_grad=True), 1e-5)
+
+
+def test_a_faster_agreeing_candidate_wins_and_broken_ones_are_rejected():
+    def wrong(x, w, eps):
+        return _torch_rms(x, w, eps) * 1.1
+
+    def raises(x, w, eps):
+        raise TypeError("unexpected keyword 'memory_efficient'")
+
+    winner, notes = providers.measure(_slow(_torch_rms, 4), [
+        _cand("wrong", wrong), _cand("raises", raises), _cand("fast", _torch_rms)], ARGS)
+    assert winner is not None and winner.impl == "fast", notes
+    assert notes["wrong"].startswith("rejected: output differs"), notes
+    assert "raised TypeError" in notes["raises"], notes
+    assert notes["ours_ms"] >= 4 > notes["fast"], notes
+
+
+def test_ours_stays_unless_a_candidate_is_clearly_faster():
+    winner, notes = providers.measure(_torch_rms, [_cand("slow", _slow(_torch_rms, 4))], ARGS)
+    assert winner is None and notes["slow"] > notes["ours_ms"], notes
+    # a tie (both take 10 ms; the sleep's jitter is far inside MARGIN): ours
+    winner, notes = providers.measure(_slow(_torch_rms, 10), [_cand("same", _slow(_torch_rms, 10))], ARGS)
+    assert winner is None, notes
+
+
+def test_gradient_disagreement_rejects():
+    class BadGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, eps):
+            return _torch_rms(x, w, eps).detach()
+
+        @staticmethod
+        def backward(ctx, dy):
+            return dy, None, None   # wrong dx, and no dw
+
+    winner, notes = providers.measure(_slow(_torch_rms, 4), [_cand("badgrad", BadGrad.apply)], ARGS)
+    assert winner is None and notes["badgrad"].startswith("rejected: gradient"), notes
+
+
+# ---- Liger-Kernel, the real library ---------------------------------------------------------
+
+liger = pytest.importorskip("liger_kernel", reason="Liger-Kernel not installed (pip install liger-kernel)")
+
+
+def _ce_inputs(rows=12, vocab=70, dtype=torch.float32):
+    logits = torch.randn(rows, vocab, device=DEVICE, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, vocab, (rows,), device=DEVICE)
+    return logits, target
+
+
+def test_forced_liger_cross_entropy_runs_liger_and_matches_reference(monkeypatch):
+    from megatron_adapt.backends.cuda.cross_entropy import vocab_parallel_cross_entropy as ce
+    monkeypatch.setenv("MEGATRON_ADAPT_EXTERNAL", "liger")
+    logits, target = _ce_inputs()
+    ref = torch.nn.functional.cross_entropy(logits.detach().double(), target, reduction="none")
+    x = logits * 1.0   # Liger writes its gradient into its input: hand it a non-leaf, as Megatron does
+    loss = ce(x, target, 0.0, None)
+    g = torch.rand_like(loss)
+    loss.backward(g)
+    assert ran_impl("vocab_parallel_cross_entropy") == {"liger.LigerCrossEntropyFunction"}
+    assert loss.dtype == torch.float32
+    assert_close(loss, ref, torch.float32, "liger CE loss")
+    lg = logits.detach().double().requires_grad_()
+    torch.nn.functional.cross_entropy(lg, target, reduction="none").backward(g.double())
+    assert_close(logits.grad, lg.grad, torch.float32, "liger CE grad")
+    (sel,) = report.as_dict()["selections"]
+    assert sel["chosen"] == "liger.LigerCrossEntropyFunction" and "not measured" in sel["how"]
+
+
+def test_forced_liger_keeps_ours_where_liger_cannot_serve(monkeypatch):
+    from megatron_adapt.backends.cuda.cross_entropy import vocab_parallel_cross_entropy as ce
+    monkeypatch.setenv("MEGATRON_ADAPT_EXTERNAL", "liger")
+    logits, target = _ce_inputs()
+    ce(logits * 1.0, target, 0.1, None)     # label smoothing: Megatron's formula, not Liger's
+    assert ran_impl("vocab_parallel_cross_entropy") == {"cuda.triton.online_softmax"}
+    (sel,) = report.as_dict()["selections"]
+    assert sel["chosen"] == "ours" and "label smoothing" in str(sel["candidates"])
+    assert "ours" in report.format_table() and "cannot serve" in report.format_table()
+
+
+def test_off_and_auto_without_a_gpu_run_ours_without_deciding(monkeypatch):
+    from megatron_adapt.backends.cuda.cross_entropy import vocab_parallel_cross_entropy as ce
+    for mode in ("off",) + (() if GPU else ("auto",)):
+        monkeypatch.setenv("MEGATRON_ADAPT_EXTERNAL", mode)
+        logits, target = _ce_inputs()
+        ce(logits * 1.0, target, 0.0, None)
+        assert ran_impl("vocab_parallel_cross_entropy") == {"cuda.triton.online_softmax"}, mode
+        assert report.as_dict()["selections"] == [], mode
+        reset()
+
+
+@pytest.mark.skipif(not GPU, reason="the measured choice times kernels on a GPU")
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "swiglu", "vocab_parallel_cross_entropy"])
+def test_auto_measures_on_the_gpu_and_the_winner_is_correct(monkeypatch, op):
+    from megatron_adapt.backends.cuda import BACKEND
+    monkeypatch.setenv("MEGATRON_ADAPT_EXTERNAL", "auto")
+    fn = BACKEND.op(op)
+    t, h = 4096, 4096
+    if op == "vocab_parallel_cross_entropy":
+        logits, target = _ce_inputs(4096, 32000, torch.bfloat16)
+        out = fn(logits * 1.0, target, 0.0, None)
+        ref = torch.nn.functional.cross_entropy(logits.detach().float(), target, reduction="none")
+        assert_close(out, ref, torch.bfloat16, op)
+    elif op == "swiglu":
+        x = torch.randn(t, 2 * h, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        a, b = x.detach().float().chunk(2, -1)
+        assert_close(fn(x), torch.nn.functional.silu(a) * b, torch.bfloat16, op)
+    else:
+        x = torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(h, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        if op == "rms_norm":
+            out, ref = fn(x, w, 1e-5), _rms_ref(x.detach(), w.detach())
+        else:
+            bias = torch.randn(h, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+            out = fn(x, w, bias, 1e-5)
+            ref = torch.nn.functional.layer_norm(x.detach().float(), (h,), w.detach().float(),
+                                                 bias.detach().float(), 1e-5)
+        assert_close(out, ref, torch.bfloat16, op)
+    (sel,) = report.as_dict()["selections"]
+    assert sel["how"].startswith("measured") and sel["candidates"]["ours_ms"] > 0, sel
+    print(f"\n{op}: {sel['chosen']} {sel['candidates']}")
+    assert ran_impl(op) == {"cuda.triton" if sel["chosen"] == "ours" and op != "vocab_parallel_cross_entropy"
+                            else "cuda.triton.online_softmax" if sel["chosen"] == "ours" else sel["chosen"]}
+
+
+# ---- apex, emulated with its public signatures ------------------------------------------------
+
+@pytest.fixture
+def fake_apex(monkeypatch):
+    """apex.normalization.fused_layer_norm's two functions (input, weight[, bias],
+    normalized_shape, eps), computed in torch; `fused_layer_norm_cuda` is apex's compiled
+    extension, whose presence is what says apex can run."""
+    mod = types.ModuleType("apex.normalization.fused_layer_norm")
+    mod.fused_rms_norm_affine = lambda x, w, shape, eps=1e-6: torch.nn.functional.rms_norm(x, shape, w, eps)
+    mod.fused_layer_norm_affine = (
+        lambda x, w, b, shape, eps=1e-6: torch.nn.functional.layer_norm(x, shape, w, b, eps))
+    for name, m in {"apex": types.ModuleType("apex"), "apex.normalization": types.ModuleType("n"),
+                    "apex.normalization.fused_layer_norm": mod,
+                    "fused_layer_norm_cuda": types.ModuleType("fused_layer_norm_cuda")}.items():
+        monkeypatch.setitem(sys.modules, name, m)
+    providers.reset()
+
+
+def test_forced_apex_norms_call_apex_functions(monkeypatch, fake_apex):
+    from megatron_adapt.backends.cuda.norms import layer_norm, rms_norm
+    monkeypatch.setenv("MEGATRON_ADAPT_EXTERNAL", "apex")
+    x = torch.randn(6, 40, requires_grad=True)
+    w, b = torch.randn(40, requires_grad=True), torch.randn(40, requires_grad=True)
+    assert_close(rms_norm(x, w, 1e-5), _rms_ref(x.detach(), w.detach()), torch.float32, "rms")
+    assert_close(layer_norm(x, w, b, 1e-5),
+                 torch.nn.functional.layer_norm(x.detach(), (40,), w.detach(), b.detach(), 1e-5),
+                 torch.float32, "ln")
+    assert ran_impl("rms_norm") == {"apex.fused_rms_norm_affine"}
+    assert ran_impl("layer_norm") == {"apex.fused_layer_norm_affine"}
