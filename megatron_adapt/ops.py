@@ -37,3 +37,19 @@ OPS = (
     "rope", "swiglu", "bias_swiglu", "bias_gelu", "adam", "sgd", "multi_tensor_l2norm",
     "multi_tensor_scale", "wgrad_accumulate", "rng_get_state", "rng_set_state",
 )
+
+
+# Ranks whose replicated values must stay bit-identical (Megatron's tensor-parallel group): a
+# backend that chooses a kernel at run time must make the same choice on each of them. Patches
+# (which know Megatron) set the getter; backends read it.
+_replica_group_getter = None
+
+
+def set_replica_group(getter) -> None:
+    """`getter()` returns the process group (or None while there is none)."""
+    global _replica_group_getter
+    _replica_group_getter = getter
+
+
+def replica_group():
+    return _replica_group_getter() if _replica_group_getter is not None else None

@@ -4,10 +4,11 @@ With one of them installed, the first call of an op with a new input signature (
 which inputs need gradients) is a small tournament on the GPU: ours and each candidate that can
 serve the call run forward and backward on copies of the call's inputs (a random output
 gradient), their GPU time measured with CUDA events; a candidate that raises, or whose output
-or input gradients disagree with ours, is out. A candidate wins only when it is more than MARGIN faster, so near-ties stay on ours
-(and so do the ranks of one job, which measure the same kernels on the same GPU model). Every
-decision, with both timings, goes to the report (`selections`), and every call reports the
-implementation that ran.
+or input gradients disagree with ours, is out. A candidate wins only when it is more than
+MARGIN faster, so near-ties stay on ours. The ranks of Megatron's tensor-parallel group decide
+together (the slowest timing of each counts), so replicated values stay identical across them.
+Every decision, with its timings, goes to the report (`selections`), and every call reports
+the implementation that ran.
 
 MEGATRON_ADAPT_EXTERNAL (config.external):
   auto   (default) measure as above when a candidate library is importable;
@@ -240,7 +241,13 @@ def _disagreement(ref, got, dtype):
 
 
 def measure(ours, candidates, args):
-    """Time ours and each candidate on copies of `args`; return (winner or None, notes)."""
+    """Time ours and each candidate on copies of `args`; return (winner or None, notes).
+
+    The ranks of the replica group (ops.replica_group(): Megatron's tensor-parallel group) take
+    the slowest of their timings, a rejection on one rank counting as infinitely slow, so that
+    they all choose the same kernel: replicated values (a norm's output and weight gradient
+    without sequence parallelism) stay bit-identical across them.
+    """
     with torch.enable_grad(), report.uncounted():
         # the call's own data (cloned per run): agreement is checked on what training feeds
         inputs = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor)
@@ -248,22 +255,51 @@ def measure(ours, candidates, args):
         dtype = next(a.dtype for a in inputs if isinstance(a, torch.Tensor) and a.is_floating_point())
         dy = _dy(ours, inputs)
         ref = _fwd_bwd(ours, inputs, dy)
-        best, best_ms = None, _time_ms(ours, inputs, dy)
-        notes = {"ours_ms": round(best_ms, 4)}
+        times = [_time_ms(ours, inputs, dy)]
+        notes = {"ours_ms": round(times[0], 4)}
         for cand in candidates:
+            times.append(float("inf"))
             try:
                 why = _disagreement(ref, _fwd_bwd(cand.run, inputs, dy), dtype)
                 if why:
                     notes[cand.impl] = f"rejected: {why}"
                     continue
-                ms = _time_ms(cand.run, inputs, dy)
+                times[-1] = _time_ms(cand.run, inputs, dy)
             except Exception as exc:  # a library version with another API, an unsupported shape
                 notes[cand.impl] = f"rejected: raised {type(exc).__name__}: {str(exc)[:160]}"
                 continue
-            notes[cand.impl] = round(ms, 4)
-            if ms < best_ms * (1.0 - MARGIN):
-                best, best_ms = cand, ms
-    return best, notes
+            notes[cand.impl] = round(times[-1], 4)
+    agreed, ranks = agree(times)
+    if ranks > 1:
+        notes["agreed_ms"] = [round(t, 4) for t in agreed]
+        notes["agreed_over_ranks"] = ranks
+    return winner(candidates, agreed), notes
+
+
+def winner(candidates, times):
+    """The fastest candidate more than MARGIN faster than ours (times[0]), or None."""
+    best, best_ms = None, times[0]
+    for cand, ms in zip(candidates, times[1:]):
+        if ms < best_ms and ms < times[0] * (1.0 - MARGIN):
+            best, best_ms = cand, ms
+    return best
+
+
+def agree(times):
+    """The elementwise max of `times` over the replica group (and its size): every rank of it
+    then decides the same. Alone (no group, one rank), the times themselves."""
+    from megatron_adapt.ops import replica_group
+    group = replica_group()
+    if group is None or not torch.distributed.is_initialized():
+        return times, 1
+    ranks = torch.distributed.get_world_size(group)
+    if ranks == 1:
+        return times, 1
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu"))
+    t = torch.tensor(times, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    return t.tolist(), ranks
 
 
 def _dy(fn, inputs):

@@ -160,11 +160,17 @@ class TestStartupReport(PatchContract):
     area = "startup_report"
 
     def test_table_printed_on_rank0_once_parallel_state_is_set_up(self):
+        """...and the tensor-parallel group is named to the backends (ops.replica_group) while
+        it exists: kernels chosen at run time must agree across its ranks."""
         proc = run_python(
             "import os; os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='29533', RANK='0', WORLD_SIZE='1')\n"
             "import megatron_adapt; megatron_adapt.apply('cpu')\n"
             "import torch.distributed as d; d.init_process_group('nccl')\n"
-            "from megatron.core import parallel_state as ps; ps.initialize_model_parallel(1, 1)\n")
+            "from megatron.core import parallel_state as ps; ps.initialize_model_parallel(1, 1)\n"
+            "from megatron_adapt.ops import replica_group\n"
+            "assert replica_group() is ps.get_tensor_model_parallel_group(), 'TP group not named'\n"
+            "ps.destroy_model_parallel(); assert replica_group() is None\n")
+        assert proc.returncode == 0, proc.stderr[-2000:]
         assert "megatron-adapt: backend=cpu" in proc.stderr and "applied" in proc.stderr, proc.stderr[-2000:]
 
 
