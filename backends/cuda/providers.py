@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -141,6 +142,8 @@ def _mode() -> str:
 # ---- the tournament ---------------------------------------------------------------------------
 
 _decisions: dict[tuple, Candidate | None] = {}   # signature -> winner (None: ours)
+MAX_SIGNATURES = 32   # per op: beyond this (shapes that change every step), ours, unmeasured
+_over_cap: set = set()
 
 
 def _signature(op, args):
@@ -248,6 +251,22 @@ def measure(ours, candidates, args):
     they all choose the same kernel: replicated values (a norm's output and weight gradient
     without sequence parallelism) stay bit-identical across them.
     """
+    notes = {}
+    try:
+        times = _measure_here(ours, candidates, args, notes)
+    except torch.cuda.OutOfMemoryError:   # every rank still reaches agree(): no rank waits alone
+        torch.cuda.empty_cache()
+        times = [float("inf")] * (1 + len(candidates))
+        notes["ours_ms"] = "not measured: out of GPU memory"
+    agreed, ranks = agree(times)
+    if ranks > 1:
+        notes["agreed_ms"] = [round(t, 4) for t in agreed]
+        notes["agreed_over_ranks"] = ranks
+    return winner(candidates, agreed), notes
+
+
+def _measure_here(ours, candidates, args, notes):
+    """This rank's timings: ours first, then each candidate (inf when rejected, why in notes)."""
     with torch.enable_grad(), report.uncounted():
         # the call's own data (cloned per run): agreement is checked on what training feeds
         inputs = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor)
@@ -256,7 +275,7 @@ def measure(ours, candidates, args):
         dy = _dy(ours, inputs)
         ref = _fwd_bwd(ours, inputs, dy)
         times = [_time_ms(ours, inputs, dy)]
-        notes = {"ours_ms": round(times[0], 4)}
+        notes["ours_ms"] = round(times[0], 4)
         for cand in candidates:
             times.append(float("inf"))
             try:
@@ -269,16 +288,14 @@ def measure(ours, candidates, args):
                 notes[cand.impl] = f"rejected: raised {type(exc).__name__}: {str(exc)[:160]}"
                 continue
             notes[cand.impl] = round(times[-1], 4)
-    agreed, ranks = agree(times)
-    if ranks > 1:
-        notes["agreed_ms"] = [round(t, 4) for t in agreed]
-        notes["agreed_over_ranks"] = ranks
-    return winner(candidates, agreed), notes
+    return times
 
 
 def winner(candidates, times):
     """The fastest candidate more than MARGIN faster than ours (times[0]), or None."""
     best, best_ms = None, times[0]
+    if not math.isfinite(best_ms):   # ours unmeasured: no basis for a choice
+        return None
     for cand, ms in zip(candidates, times[1:]):
         if ms < best_ms and ms < times[0] * (1.0 - MARGIN):
             best, best_ms = cand, ms
@@ -316,6 +333,12 @@ def _choose(op, ours, args, mode):
     key = _signature(op, args)
     if key in _decisions:
         return _decisions[key]
+    if sum(k[0] == op for k in _decisions) >= MAX_SIGNATURES:
+        if op not in _over_cap:   # said once; every rank of a TP group sees the same shapes
+            _over_cap.add(op)
+            report.selected(op, "any further signature", "ours", f"more than {MAX_SIGNATURES} "
+                            "input signatures (shapes change from call to call): not measured", {})
+        return None
     serving, notes = [], {}
     for c in cands:
         why = c.serves(*args)
@@ -335,13 +358,9 @@ def _choose(op, ours, args, mode):
     elif torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
         return None         # cannot time inside a CUDA graph capture or a compiled region
     else:
-        try:
-            winner, timed = measure(ours, serving, args)
-            notes.update(timed)
-            how = "measured (GPU ms per fwd+bwd on this GPU)"
-        except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            winner, how = None, "measurement ran out of GPU memory: ours, unmeasured"
+        winner, timed = measure(ours, serving, args)
+        notes.update(timed)
+        how = "measured (GPU ms per fwd+bwd on this GPU)"
     _decisions[key] = winner
     report.selected(op, _describe(key), winner.impl if winner else "ours", how, notes)
     return winner
@@ -383,4 +402,5 @@ def selectable(op):
 def reset() -> None:
     """Forget the decisions (tests; a new configuration)."""
     _decisions.clear()
+    _over_cap.clear()
     installed.cache_clear()

@@ -100,6 +100,29 @@ def test_gradient_disagreement_rejects():
     assert winner is None and notes["badgrad"].startswith("rejected: gradient"), notes
 
 
+def test_out_of_memory_while_timing_ours_keeps_ours():
+    def ours(x, w, eps):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    winner, notes = providers.measure(ours, [_cand("fast", _torch_rms)], ARGS)
+    assert winner is None and "out of GPU memory" in notes["ours_ms"], notes
+
+
+def test_signatures_beyond_the_cap_run_ours_unmeasured(monkeypatch):
+    """Shapes that change every call (packed sequences) must not start a tournament each time."""
+    monkeypatch.setattr(providers, "MAX_SIGNATURES", 2)
+    monkeypatch.setenv("MEGATRON_ADAPT_EXTERNAL", "liger")
+    fast = providers.Candidate("liger", "fake.fast", "torch", lambda *a: None, _torch_rms)
+    monkeypatch.setitem(providers.CANDIDATES, "rms_norm", [fast])
+    op = providers.selectable("rms_norm")(_torch_rms)
+    for rows in (3, 4, 5, 6):
+        op(torch.randn(rows, 16), torch.randn(16), 1e-5)
+    sel = report.as_dict()["selections"]
+    assert [s["chosen"] for s in sel] == ["fake.fast", "fake.fast", "ours"], sel
+    assert "more than 2 input signatures" in sel[-1]["how"]
+    assert report.op_counts()["rms_norm"] == {"fake.fast": 2}   # ours (the bare function) reports nothing
+
+
 # ---- Liger-Kernel, the real library ---------------------------------------------------------
 
 needs_liger = pytest.mark.skipif(not providers.installed("liger_kernel"),
