@@ -10,13 +10,13 @@ Rows up to MAX_FUSED wide stay in registers:
   coefficients come from one fused reduction. Weight/bias gradient partials stay in registers
   and are written once per program as fp32 rows [G, h]; one small kernel sums them and writes
   dw/db in the weight's dtype.
-LayerNorm rows 8193-16384 wide run PyTorch's own fused layer_norm (TORCH_LN_WIDTHS: faster there).
+LayerNorm rows 8193-16384 wide take a split backward (SPLIT_BWD): dx one row a program, then
+dw/db as a column reduction over groups of rows.
 Wider rows (more than MAX_FUSED) loop over the row in CHUNK-wide pieces (the partials live
 in the program's row of a global fp32 buffer).
 Statistics are fp32; mean/rstd are saved so the backward does not recompute them.
 """
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -26,10 +26,14 @@ from ._common import fallback, kernel_reason, next_pow2, num_programs, warps_for
 from . import providers
 
 MAX_FUSED = 16384   # widest row kept whole in registers
-# LayerNorm rows this wide go to PyTorch's own fused layer_norm: our whole-row backward spills
-# registers there (H200, bf16 4096x12288 fwd+bwd: ours 0.488 ms, torch 0.300, Liger 0.309).
-# RMSNorm keeps fewer values live and stays ours (0.196 ms, torch 0.290).
-TORCH_LN_WIDTHS = (8192, 16384)
+# Split backward for LayerNorm rows in SPLIT_WIDTHS: dx per row, then dw/db as a column
+# reduction. The whole-row backward holding dw/db partials spills registers there (H100, bf16
+# 4096x12288 fwd+bwd: 26% of copy; split 56%, PyTorch's layer_norm 45%, Liger 48%). RMSNorm keeps
+# fewer values live and its whole-row backward is faster (75% against 65% split).
+SPLIT_WIDTHS = (8192, 16384)
+SPLIT_BWD = {True: False, False: True}   # by is_rms
+SPLIT_DX_WARPS = 16
+SPLIT_TILE = (64, 64)   # rows x columns of a dw/db reduction tile (32x64, 32x128: within 2%)
 CHUNK = 4096        # chunk width for wider rows
 
 
@@ -200,6 +204,59 @@ def _norm_bwd_loop(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, M, N, G,
 
 
 @triton.jit
+def _norm_bwd_dx(X, W, DY, DX, MEAN, RSTD, N,
+                 IS_RMS: tl.constexpr, BLOCK: tl.constexpr):
+    """Split backward, part 1 (wide rows): dx of one row; no weight-gradient partials held."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    x = tl.load(X + row * N + cols, mask=m, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row * N + cols, mask=m, other=0.0).to(tl.float32)
+    wdy = tl.load(W + cols, mask=m, other=0.0).to(tl.float32) * dy
+    rstd = tl.load(RSTD + row)
+    if IS_RMS:
+        xhat = x * rstd
+        dx = (wdy - xhat * (tl.sum(xhat * wdy, axis=0) / N)) * rstd
+    else:
+        xhat = tl.where(m, (x - tl.load(MEAN + row)) * rstd, 0.0)
+        # two tl.sum, not one tl.reduce of a pair: the same speed compiled, and the Triton
+        # interpreter (CI) runs a custom combine function 40x slower
+        dx = (wdy - xhat * (tl.sum(xhat * wdy, axis=0) / N) - tl.sum(wdy, axis=0) / N) * rstd
+    tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _norm_bwd_dwdb(X, DY, MEAN, RSTD, DW_PART, DB_PART, M, N, ROWS_PER,
+                   IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+    """Split backward, part 2: column sums of dy*xhat (and dy) over a group of rows, one fp32
+    partial row per group. Grid (cdiv(N, BN), groups)."""
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    cm = cols < N
+    first = tl.program_id(1) * ROWS_PER
+    last = tl.minimum(first + ROWS_PER, M)
+    acc_w = tl.zeros([BR, BN], dtype=tl.float32)
+    acc_b = tl.zeros([BR, BN], dtype=tl.float32)
+    for r0 in range(first, last, BR):
+        rows = r0 + tl.arange(0, BR)
+        rm = rows < last
+        m = rm[:, None] & cm[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rm, other=0.0)
+        if IS_RMS:
+            xhat = x * rstd[:, None]
+        else:
+            xhat = (x - tl.load(MEAN + rows, mask=rm, other=0.0)[:, None]) * rstd[:, None]
+        acc_w += dy * xhat
+        if HAS_BIAS:
+            acc_b += dy
+    tl.store(DW_PART + tl.program_id(1) * N + cols, tl.sum(acc_w, axis=0), mask=cm)
+    if HAS_BIAS:
+        tl.store(DB_PART + tl.program_id(1) * N + cols, tl.sum(acc_b, axis=0), mask=cm)
+
+
+@triton.jit
 def _sum_partials(DW_PART, DB_PART, DW, DB, G, N,
                   HAS_BIAS: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr):
     """dw[c] = sum_g DW_PART[g, c] (and db), written in the parameter's dtype. Grid (cdiv(N, BN), 1|2)."""
@@ -308,6 +365,8 @@ class _Norm(torch.autograd.Function):
         db = torch.empty(n, dtype=ctx.bdtype, device=dev) if ctx.has_bias else None
         if not rows:
             return dx.view(ctx.shape), dw.zero_(), db.zero_() if db is not None else None, None, None
+        if SPLIT_BWD[ctx.is_rms] and SPLIT_WIDTHS[0] < n <= SPLIT_WIDTHS[1]:
+            return _split_backward(ctx, x2, w, dy2, mean, rstd, dx, dw, db)
         loop = n > MAX_FUSED
         if loop:
             block, tile, warps, prefetch = CHUNK, 1, 8, False
@@ -336,6 +395,28 @@ class _Norm(torch.autograd.Function):
         return dx.view(ctx.shape), dw, db, None, None
 
 
+def _split_backward(ctx, x2, w, dy2, mean, rstd, dx, dw, db):
+    """Wide rows: dx one row a program, then dw/db as a column reduction over row groups (x and
+    dy read twice, but no program holds a row's weight-gradient partials next to the row)."""
+    rows, n = x2.shape
+    _norm_bwd_dx[(rows,)](x2, w, dy2, dx, mean, rstd, n, IS_RMS=ctx.is_rms,
+                          BLOCK=next_pow2(n), num_warps=SPLIT_DX_WARPS)
+    br, bn = SPLIT_TILE
+    col_blocks = triton.cdiv(n, bn)
+    groups = max(1, min(triton.cdiv(rows, br), num_programs(x2.device, rows, 4) // col_blocks + 1))
+    rows_per = triton.cdiv(triton.cdiv(rows, groups), br) * br
+    groups = triton.cdiv(rows, rows_per)
+    dw_part = torch.empty((groups, n), dtype=torch.float32, device=x2.device)
+    db_part = torch.empty_like(dw_part) if ctx.has_bias else dw_part
+    _norm_bwd_dwdb[(col_blocks, groups)](x2, dy2, mean, rstd, dw_part, db_part, rows, n, rows_per,
+                                         IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BR=br, BN=bn,
+                                         num_warps=4)
+    _sum_partials[(triton.cdiv(n, 32), 2 if ctx.has_bias else 1)](
+        dw_part, db_part, dw, db if db is not None else dw, groups, n,
+        HAS_BIAS=ctx.has_bias, BG=64, BN=32, num_warps=4)
+    return dx.view(ctx.shape), dw, db, None, None
+
+
 @providers.selectable("rms_norm")
 def rms_norm(x, weight, eps):
     why = kernel_reason(x, weight)
@@ -350,8 +431,5 @@ def layer_norm(x, weight, bias, eps):
     why = kernel_reason(x, weight, bias)
     if why:
         return fallback("layer_norm", why, x, weight, bias, eps)
-    if TORCH_LN_WIDTHS[0] < x.size(-1) <= TORCH_LN_WIDTHS[1]:
-        report.ran("layer_norm", "cuda.torch.layer_norm")
-        return F.layer_norm(x, (x.size(-1),), weight, bias, float(eps))
     report.ran("layer_norm", "cuda.triton")
     return _Norm.apply(x, weight, bias, float(eps), False)
