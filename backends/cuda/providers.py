@@ -134,6 +134,11 @@ def installed(module: str) -> bool:
         return False
 
 
+def library_installed(library: str) -> bool:
+    return any(installed(c.module) for cands in CANDIDATES.values() for c in cands
+               if c.library == library)
+
+
 def _mode() -> str:
     from megatron_adapt.core import active_config
     return active_config().external
@@ -386,9 +391,13 @@ def selectable(op):
         def call(*args, **kwargs):
             if kwargs:
                 args = tuple(params.bind(*args, **kwargs).args)
-            if libs and any(installed(m) for m in libs):
-                mode = _mode()
-                if mode != "off":
+            mode = _mode()
+            if mode != "off":
+                if mode in LIBRARIES and not library_installed(mode):
+                    from megatron_adapt.errors import ConfigError
+                    raise ConfigError(f"MEGATRON_ADAPT_EXTERNAL={mode}, but {mode} is not installed "
+                                      f"(or lacks its compiled parts): install it, or use auto / off")
+                if libs and any(installed(m) for m in libs):
                     winner = _choose(op, ours, args, mode)
                     if winner is not None:
                         report.ran(op, winner.impl)

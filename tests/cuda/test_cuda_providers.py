@@ -43,6 +43,14 @@ def test_unknown_mode_is_a_config_error(monkeypatch):
     assert Config.resolve(external="OFF").external == "off"
 
 
+@pytest.mark.skipif(providers.library_installed("apex"), reason="apex is installed here")
+def test_a_requested_library_that_is_missing_is_a_clear_error(monkeypatch):
+    from megatron_adapt.backends.cuda.norms import rms_norm
+    monkeypatch.setenv("MEGATRON_ADAPT_EXTERNAL", "apex")
+    with pytest.raises(ConfigError, match="apex is not installed"):
+        rms_norm(torch.randn(4, 8), torch.randn(8), 1e-5)
+
+
 # ---- the tournament, on functions whose speed and correctness the test sets ------------------
 
 def _slow(fn, ms):
