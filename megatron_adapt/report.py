@@ -129,9 +129,9 @@ def format_table(data: dict | None = None) -> str:
         for o in data["ops"]:
             why = f"  FELL BACK: {o['fallback_reason']}" if o["fallback_reason"] else ""
             lines.append(f"  {o['op']:<28} {o['implementation']:<36} {o['calls']:>8}{why}")
+    if data.get("selections"):
+        lines.append("implementations chosen among installed libraries:")
     for sel in data.get("selections", []):
-        if not lines[-1].startswith("  chosen"):
-            lines.append("implementations chosen among installed libraries:")
         others = ", ".join(f"{k}={v}" for k, v in sel["candidates"].items())
         lines.append(f"  chosen {sel['chosen']:<32} for {sel['op']} [{sel['inputs']}]: {sel['how']}; {others}")
     return "\n".join(lines)

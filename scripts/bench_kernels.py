@@ -42,7 +42,7 @@ def run_selections(be, path):
     from megatron_adapt.backends.cuda import providers
     report.reset_op_counts()
     for name, op_args in SELECT:
-        providers._choose(name, ours(be, name), op_args, "auto")
+        providers.choose(name, ours(be, name), op_args, "auto")
     sel = report.as_dict()["selections"]
     for s in sel:
         print(f"  {s['op']} [{s['inputs']}]: {s['chosen']} ({s['how']}; {s['candidates']})", flush=True)

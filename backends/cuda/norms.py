@@ -10,7 +10,7 @@ Rows up to MAX_FUSED wide stay in registers:
   coefficients come from one fused reduction. Weight/bias gradient partials stay in registers
   and are written once per program as fp32 rows [G, h]; one small kernel sums them and writes
   dw/db in the weight's dtype.
-LayerNorm rows 8193-16384 wide take a split backward (SPLIT_BWD): dx one row a program, then
+LayerNorm rows 8193-16384 wide (block MAX_FUSED) take a split backward: dx one row a program, then
 dw/db as a column reduction over groups of rows.
 Wider rows (more than MAX_FUSED) loop over the row in CHUNK-wide pieces (the partials live
 in the program's row of a global fp32 buffer).
@@ -26,12 +26,10 @@ from ._common import fallback, kernel_reason, next_pow2, num_programs, warps_for
 from . import providers
 
 MAX_FUSED = 16384   # widest row kept whole in registers
-# Split backward for LayerNorm rows in SPLIT_WIDTHS: dx per row, then dw/db as a column
-# reduction. The whole-row backward holding dw/db partials spills registers there (H100, bf16
-# 4096x12288 fwd+bwd: 26% of copy; split 56%, PyTorch's layer_norm 45%, Liger 48%). RMSNorm keeps
-# fewer values live and its whole-row backward is faster (75% against 65% split).
-SPLIT_WIDTHS = (8192, 16384)
-SPLIT_BWD = {True: False, False: True}   # by is_rms
+# Split backward for LayerNorm rows whose block is MAX_FUSED (8193-16384 wide): dx per row, then
+# dw/db as a column reduction. The whole-row backward holding dw/db partials spills registers
+# there (H100, bf16 4096x12288 fwd+bwd: 26% of copy; split 56%, PyTorch's layer_norm 45%, Liger
+# 48%). RMSNorm keeps fewer values live and its whole-row backward is faster (75% against 65%).
 SPLIT_DX_WARPS = 16
 SPLIT_TILE = (64, 64)   # rows x columns of a dw/db reduction tile (32x64, 32x128: within 2%)
 CHUNK = 4096        # chunk width for wider rows
@@ -292,7 +290,7 @@ def _fwd_cfg(block, is_rms):
     LayerNorm 2 rows x 32 warps 83/86/80% (1 x 16: 64/73/58; 4 rows: 38-50)."""
     if block in FWD_CFG:
         return FWD_CFG[block]
-    if block >= 16384:
+    if block >= MAX_FUSED:
         return (1, 8) if is_rms else (2, 32)
     rows = max(1, min(16, 8192 // block))
     tile = rows * block
@@ -309,7 +307,7 @@ def _bwd_cfg(block, is_rms):
     (16 elements a thread) spill least (2048x16384: 0.29 ms, against 0.63 at 16 warps)."""
     if block in BWD_CFG:
         return BWD_CFG[block]
-    if block >= 16384:
+    if block >= MAX_FUSED:
         return 1, 16 if is_rms else 32, False
     rows = max(1, min(16, 2048 // block))
     return rows, warps_for(block * rows), True
@@ -369,7 +367,7 @@ class _Norm(torch.autograd.Function):
         db = torch.empty(n, dtype=ctx.bdtype, device=dev) if ctx.has_bias else None
         if not rows:
             return dx.view(ctx.shape), dw.zero_(), db.zero_() if db is not None else None, None, None
-        if SPLIT_BWD[ctx.is_rms] and SPLIT_WIDTHS[0] < n <= SPLIT_WIDTHS[1]:
+        if not ctx.is_rms and next_pow2(n) == MAX_FUSED:
             return _split_backward(ctx, x2, w, dy2, mean, rstd, dx, dw, db)
         loop = n > MAX_FUSED
         if loop:

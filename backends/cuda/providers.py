@@ -330,7 +330,8 @@ def _dy(fn, inputs):
     return torch.randn_like(out)
 
 
-def _choose(op, ours, args, mode):
+def choose(op, ours, args, mode):
+    """The candidate that serves this call (None: ours), deciding on the signature's first call."""
     cands = [c for c in CANDIDATES.get(op, ()) if (mode == "auto" or c.library == mode)
              and installed(c.module)]
     if not cands:
@@ -398,7 +399,7 @@ def selectable(op):
                     raise ConfigError(f"MEGATRON_ADAPT_EXTERNAL={mode}, but {mode} is not installed "
                                       f"(or lacks its compiled parts): install it, or use auto / off")
                 if libs and any(installed(m) for m in libs):
-                    winner = _choose(op, ours, args, mode)
+                    winner = choose(op, ours, args, mode)
                     if winner is not None:
                         report.ran(op, winner.impl)
                         return winner.run(*args)
