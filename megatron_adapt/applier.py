@@ -170,7 +170,7 @@ def _alias_modules(original):
             yield name, mod
 
 
-def apply_spec(spec: PatchSpec, backend, config, version) -> None:
+def apply_spec(spec: PatchSpec, backend, config, version, untested: str | None = None) -> None:
     rec = report.patch_record(spec)
     rec.status, rec.reason, rec.unrebound = report.PENDING, "", []
     if spec.target in _installed:
@@ -188,7 +188,8 @@ def apply_spec(spec: PatchSpec, backend, config, version) -> None:
         owner, attr, original, had = _resolve(spec)
     except (KeyError, AttributeError) as exc:
         rec.status = report.SKIPPED if spec.optional else report.FAILED
-        rec.reason = f"target not found: {exc}"
+        where = f" in untested megatron-core {untested}" if untested else ""
+        rec.reason = f"{report.NOT_FOUND}{where}: {exc}"
         if config.strict and not spec.optional:
             raise PatchError(f"{spec.target}: {rec.reason}") from exc
         return
@@ -245,8 +246,32 @@ def _name(obj) -> str:
     return f"{module}.{getattr(obj, '__qualname__', type(obj).__name__).split('.')[-1]}"
 
 
-def register(specs, backend, config, version) -> None:
-    """Apply each spec now if its module is loaded, else when it is imported."""
+def select(specs, version) -> list[PatchSpec]:
+    """One spec per target: the one whose version range holds `version`.
+
+    A target that changed between megatron-core releases has one spec per range; overlapping
+    ranges are a bug in the patch module. Where no range holds the version, the first spec stays,
+    and apply_spec records it as skipped with its range.
+    """
+    by_target: dict[str, list[PatchSpec]] = {}
+    for s in specs:
+        by_target.setdefault(s.target, []).append(s)
+    chosen = []
+    for target, group in by_target.items():
+        fitting = [s for s in group if in_range(s.versions, version)]
+        if len(fitting) > 1:
+            raise PatchError(f"{target}: specs with overlapping version ranges "
+                             f"{[s.versions for s in fitting]} for megatron-core {version}")
+        chosen.append(fitting[0] if fitting else group[0])
+    return chosen
+
+
+def register(specs, backend, config, version, untested: str | None = None) -> None:
+    """Apply each spec now if its module is loaded, else when it is imported.
+
+    version: the megatron-core that selects specs; untested: the real version when it is a newer,
+    opted-in release (missing targets are then reported as such).
+    """
     generation = _generation
 
     def hook_for(module_specs):
@@ -254,12 +279,16 @@ def register(specs, backend, config, version) -> None:
             if generation != _generation:
                 return
             for s in module_specs:
-                apply_spec(s, backend, config, version)
+                apply_spec(s, backend, config, version, untested)
         return hook
 
     by_module: dict[str, list[PatchSpec]] = {}
-    for s in specs:
-        report.patch_record(s)
+    for s in select(specs, version):
+        rec = report.patch_record(s)
+        if version is not None and not in_range(s.versions, version):
+            # Known now: a target this release does not have (or has changed) is not waited for.
+            rec.status, rec.reason = report.SKIPPED, f"megatron-core {version} outside {s.versions}"
+            continue
         by_module.setdefault(s.module, []).append(s)
     for module, module_specs in by_module.items():
         wrapt.register_post_import_hook(hook_for(module_specs), module)

@@ -14,6 +14,7 @@ ENV_REPORT = "MEGATRON_ADAPT_REPORT"
 ENV_AUTO = "MEGATRON_ADAPT_AUTO"  # "0": `import megatron_adapt` does not apply (library / test use)
 ENV_QUIET = "MEGATRON_ADAPT_QUIET"  # "1": no start-up table on rank 0
 ENV_ATTENTION_LAYOUT = "MEGATRON_ADAPT_ATTENTION_LAYOUT"  # sbhd (SBH) | bshd (BSH)
+ENV_ALLOW_UNTESTED = "MEGATRON_ADAPT_ALLOW_UNTESTED_MEGATRON"  # "1": try a megatron-core newer than SUPPORTED
 ENV_EXTERNAL = "MEGATRON_ADAPT_EXTERNAL"  # auto | off | liger | apex (backends/cuda/providers.py)
 EXTERNAL_MODES = ("auto", "off", "liger", "apex")
 ATTENTION_LAYOUTS = {"sbhd": "sbhd", "sbh": "sbhd", "bshd": "bshd", "bsh": "bshd"}
@@ -54,20 +55,21 @@ class Config:
     quiet: bool = False
     attention_layout: str = "sbhd"  # memory order the attention kernel reads q/k/v in
     external: str = "auto"          # other libraries' kernels: auto (where faster) | off | liger | apex
+    allow_untested: bool = False    # a megatron-core newer than SUPPORTED warns instead of failing
 
     @classmethod
     def resolve(cls, backend: str | None = None, **switches) -> "Config":
         """Explicit arguments win over the environment.
 
         switches: strict=bool, report_path=str, quiet=bool, attention_layout=str, external=str,
-        disable=iterable of areas, and
+        allow_untested=bool, disable=iterable of areas, and
         ``<area>=False`` to turn one patch area off (``cross_entropy=False``).
         """
         env = os.environ
         disabled = set(_split(env.get(ENV_DISABLE)))
         disabled |= set(switches.pop("disable", ()) or ())
         for key in list(switches):
-            if key in ("strict", "report_path", "quiet", "attention_layout", "external"):
+            if key in ("strict", "report_path", "quiet", "attention_layout", "external", "allow_untested"):
                 continue
             value = switches.pop(key)
             if value is False:
@@ -84,6 +86,7 @@ class Config:
             quiet=switches.get("quiet", _truthy(env.get(ENV_QUIET))),
             attention_layout=_layout(switches.get("attention_layout", env.get(ENV_ATTENTION_LAYOUT))),
             external=_external(switches.get("external", env.get(ENV_EXTERNAL))),
+            allow_untested=switches.get("allow_untested", _truthy(env.get(ENV_ALLOW_UNTESTED))),
         )
 
     def enabled(self, area: str) -> bool:

@@ -11,7 +11,7 @@ import sys
 from . import applier, report as _report
 from .config import Config
 from .errors import MegatronAdaptError
-from .versions import check_supported, megatron_core_version
+from .versions import check_supported, megatron_core_version, patching_version
 
 log = logging.getLogger("megatron_adapt")
 
@@ -57,7 +57,7 @@ def apply(backend: str | None = None, **switches):
             f"megatron-adapt is already applied with backend {_state['backend'].name!r}; "
             "call megatron_adapt.revert() before applying another configuration")
     version = megatron_core_version()
-    check_supported(version)
+    untested = check_supported(version, config.allow_untested)
     if config.backend == "auto":
         name, why = _backends.auto_select()
     else:
@@ -68,13 +68,15 @@ def apply(backend: str | None = None, **switches):
     _report.set_context(strict=config.strict, backend=chosen.name, backend_reason=why,
                         megatron_core=str(version) if version else None, torch=torch.__version__,
                         python=platform.python_version(), backend_description=chosen.describe(),
-                        attention_layout=config.attention_layout, external=config.external)
+                        attention_layout=config.attention_layout, external=config.external,
+                        untested_megatron=untested)
     device = chosen.device()
     try:
         if device is not None and config.enabled("device"):
             device.install()
         _state.update(backend=chosen, config=config, requested=config, device=device)
-        applier.register(all_specs(), chosen, config, version)
+        applier.register(all_specs(), chosen, config, patching_version(version),
+                         untested=str(version) if untested else None)
     except BaseException:
         revert()
         raise

@@ -17,6 +17,7 @@ from .errors import StrictFallbackError
 
 APPLIED, SKIPPED, DISABLED, FAILED, PENDING, REVERTED = (
     "applied", "skipped", "disabled", "failed", "pending", "reverted")
+NOT_FOUND = "target not found"  # the reason's prefix when a patch's target does not exist
 
 
 @dataclass
@@ -107,6 +108,7 @@ def as_dict() -> dict:
             for (op, impl), n in sorted(_op_counts.items())
         ],
         "selections": list(_selections),
+        "targets_not_found": [r.target for r in _patch_records.values() if r.reason.startswith(NOT_FOUND)],
     }
 
 
@@ -116,6 +118,11 @@ def format_table(data: dict | None = None) -> str:
         f"megatron-adapt: backend={data.get('backend')} ({data.get('backend_reason', '')}) "
         f"megatron-core={data.get('megatron_core')} torch={data.get('torch')} strict={data.get('strict')}",
     ]
+    if data.get("untested_megatron"):
+        missing = data.get("targets_not_found") or []
+        lines.append(f"WARNING: megatron-core {data.get('megatron_core')} is newer than the tested range "
+                     "(allowed by MEGATRON_ADAPT_ALLOW_UNTESTED_MEGATRON=1); patch targets not found: "
+                     + (", ".join(missing) if missing else "none so far"))
     rows = [(p["area"], p["target"], p["status"], p["implementation"] or "-",
              p["reason"] + (f" [unrebound: {', '.join(p['unrebound'])}]" if p["unrebound"] else ""))
             for p in data["patches"]]

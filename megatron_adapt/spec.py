@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .versions import SUPPORTED_RANGE
+
 REPLACE, WRAP = "replace", "wrap"
 
 
@@ -19,7 +21,10 @@ class PatchSpec:
     area:     the switch that turns it off (MEGATRON_ADAPT_DISABLE=area).
     build:    build(backend, original) -> the new object (REPLACE), or a wrapt-style wrapper
               ``wrapper(wrapped, instance, args, kwargs)`` (WRAP). Called lazily, once per apply.
-    versions: megatron-core range this target is known to exist and behave as assumed in.
+    versions: megatron-core range this target is known to exist and behave as assumed in. Where a
+              target changed between releases, list one spec per range for the same target (the
+              ranges must not overlap): the applier installs the one whose range holds the
+              running megatron-core.
     backends: the backends this spec applies to (device-layer patches are cpu-only, say).
     describe: build-independent name of what is installed, for the report when it is not yet built.
     check_signature: the replacement must accept every parameter the original accepts.
@@ -34,7 +39,7 @@ class PatchSpec:
     area: str
     build: Callable[[Any, Any], Any]
     mode: str = REPLACE
-    versions: str = ">=0.15.0,<0.17.0"
+    versions: str = SUPPORTED_RANGE
     backends: tuple[str, ...] = ("cpu", "cuda", "npu")
     check_signature: bool = True
     optional: bool = False

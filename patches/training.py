@@ -4,6 +4,7 @@ Megatron-LM checkout on the path, so every spec here is optional.
 * `initialize_megatron(allow_no_cuda=True)` on the cpu backend: Megatron asserts CUDA otherwise.
 * `fused_kernels.load`: builds Megatron's legacy CUDA extensions with nvcc at start-up. Nothing
   uses them once the backend's softmax is patched in; building them needs a CUDA toolkit.
+  `megatron.legacy.fused_kernels` is gone from core_v0.17 (and `megatron.legacy` from 0.18).
 * `compile_helpers`: runs `make` in megatron/core/datasets. A checkout has the Makefile but no
   built extension; the megatron-core wheel has the built extension but no Makefile. Reuse the
   wheel's extension when it matches this interpreter, otherwise run Megatron's make.
@@ -77,7 +78,7 @@ SPECS = [
     PatchSpec("megatron.training.initialize:initialize_megatron", area="training", mode=WRAP,
               build=build_initialize, backends=("cpu",), optional=True),
     PatchSpec("megatron.legacy.fused_kernels:load", area="training", build=build_fused_kernels_load,
-              optional=True),
+              versions=">=0.15.0,<0.17.0", optional=True),
     PatchSpec("megatron.core.datasets.utils:compile_helpers", area="training",
               build=build_compile_helpers),
 ]

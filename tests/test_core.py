@@ -55,14 +55,98 @@ def test_auto_picks_cpu_here():
     assert proc.stdout.strip().endswith("cpu")
 
 
-def test_unsupported_megatron_version_names_the_range(tmp_path):
-    core = tmp_path / "megatron" / "core"
+def fake_megatron(root, version: str, files: dict | None = None):
+    """A `megatron.core` package of the given version (package_info.py) with `files` in it."""
+    major, minor, patch = version.split(".")
+    core = root / "megatron" / "core"
     core.mkdir(parents=True)
-    (tmp_path / "megatron" / "__init__.py").write_text("")
+    (root / "megatron" / "__init__.py").write_text("")
     (core / "__init__.py").write_text("")
-    (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 99\nPATCH = 0\nPRE_RELEASE = ''\n")
-    out = expect_error("megatron_adapt.apply('cpu')", env={"PYTHONPATH": str(tmp_path)})
-    assert "UnsupportedMegatronVersionError" in out and "0.99.0" in out and ">=0.15.0" in out, out
+    (core / "package_info.py").write_text(f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {patch}\nPRE_RELEASE = ''\n")
+    for name, text in (files or {}).items():
+        path = core / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (path.parent / "__init__.py").touch()
+        path.write_text(text)
+    return {"PYTHONPATH": str(root)}
+
+
+def test_unsupported_megatron_version_names_the_range(tmp_path):
+    out = expect_error("megatron_adapt.apply('cpu')", env=fake_megatron(tmp_path, "0.99.0"))
+    assert "UnsupportedMegatronVersionError" in out and "0.99.0" in out and ">=0.15.0,<0.20.0" in out, out
+    assert "MEGATRON_ADAPT_ALLOW_UNTESTED_MEGATRON=1" in out, out  # newer: the opt-in is named
+
+
+def test_an_older_megatron_cannot_be_opted_into(tmp_path):
+    env = {**fake_megatron(tmp_path, "0.14.0"), "MEGATRON_ADAPT_ALLOW_UNTESTED_MEGATRON": "1"}
+    out = expect_error("megatron_adapt.apply('cpu')", env=env)
+    assert "UnsupportedMegatronVersionError" in out and "0.14.0" in out, out
+    assert "ALLOW_UNTESTED" not in out, out  # the opt-in is for newer releases only
+
+
+def test_opt_in_to_a_newer_megatron_warns_once_and_reports_targets_not_found(tmp_path):
+    """An untested newer release is patched as the newest supported one: present targets apply,
+    missing ones are listed (nothing raises), and the loud warning comes once per process."""
+    env = fake_megatron(tmp_path, "0.20.0", {
+        "jit.py": "jit_fuser = lambda f: f\n",                  # present: applies
+        "fusions/fused_softmax.py": "class SomethingElse: pass\n",  # FusedScaleMaskSoftmax gone
+    })
+    env["MEGATRON_ADAPT_ALLOW_UNTESTED_MEGATRON"] = "1"
+    proc = run_python(textwrap.dedent("""
+        import warnings, megatron_adapt
+        warnings.simplefilter('always')
+        megatron_adapt.apply('cpu'); megatron_adapt.revert(); megatron_adapt.apply('cpu')
+        import megatron.core.jit, megatron.core.fusions.fused_softmax
+        data = megatron_adapt.report(as_json=True)
+        status = {p['target']: (p['status'], p['reason']) for p in data['patches']}
+        print('UNTESTED', data['untested_megatron'], data['megatron_core'])
+        print('JIT', status['megatron.core.jit:jit_fuser'][0])
+        print('NOTFOUND', data['targets_not_found'])
+        print('SOFTMAX', status['megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.forward'])
+        print(megatron_adapt.report().splitlines()[1])
+    """), env={**env, "PYTHONWARNINGS": "default"})
+    out = proc.stdout
+    assert "UNTESTED True 0.20.0" in out and "JIT applied" in out, out
+    assert "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.forward" in out.split("NOTFOUND")[1], out
+    assert "target not found in untested megatron-core 0.20.0" in out, out
+    assert out.splitlines()[-1].startswith("WARNING: megatron-core 0.20.0 is newer than the tested range"), out
+    assert proc.stderr.count("is NEWER than the tested range") == 1, proc.stderr
+
+
+def test_a_target_changed_between_releases_gets_the_spec_of_its_range():
+    """One spec per release range for the same target: the applier installs the one whose range
+    holds the running megatron-core, and overlapping ranges are refused."""
+    from packaging.version import Version
+
+    from megatron_adapt.applier import select
+    from megatron_adapt.errors import PatchError
+    from megatron_adapt.spec import PatchSpec
+
+    old = PatchSpec("megatron.core.x:f", area="x", build=lambda b, o: o, versions=">=0.15.0,<0.19.0")
+    new = PatchSpec("megatron.core.x:f", area="x", build=lambda b, o: o, versions=">=0.19.0,<0.20.0")
+    assert select([old, new], Version("0.16.1")) == [old]
+    assert select([old, new], Version("0.19.2")) == [new]
+    assert select([old, new], Version("0.14.0")) == [old]  # none fits: recorded as skipped by range
+    both = PatchSpec("megatron.core.x:f", area="x", build=lambda b, o: o, versions=">=0.18.0")
+    with pytest.raises(PatchError, match="overlapping"):
+        select([old, new, both], Version("0.19.2"))
+
+
+def test_every_changed_target_has_a_spec_for_every_supported_release_line():
+    """No release line in SUPPORTED falls between two per-version specs of one target."""
+    from packaging.version import Version
+
+    from megatron_adapt.applier import select
+    from megatron_adapt.core import all_specs
+    from megatron_adapt.versions import SUPPORTED, in_range
+
+    specs = all_specs()
+    for line in ("0.15.0", "0.16.0", "0.17.0", "0.18.0", "0.19.0", "0.19.9"):
+        assert Version(line) in SUPPORTED
+        for spec in select(specs, Version(line)):
+            multi = [s for s in specs if s.target == spec.target]
+            if len(multi) > 1:
+                assert in_range(spec.versions, Version(line)), (line, spec.target, [s.versions for s in multi])
 
 
 def test_strict_mode_turns_a_fallback_into_an_error_naming_op_and_reason():

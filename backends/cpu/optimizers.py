@@ -5,8 +5,12 @@ from megatron_adapt import report
 
 
 def make_adam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
-              weight_decay=0.0, amsgrad=False, *, impl_flags, impl_name, **unsupported):
-    """apex.optimizers.FusedAdam's constructor, returning the torch optimizer with the same math."""
+              weight_decay=0.0, amsgrad=False, *, impl_flags, impl_name, capturable=False, **unsupported):
+    """apex.optimizers.FusedAdam's constructor, returning the torch optimizer with the same math.
+
+    capturable: Megatron >= 0.17 passes `--optimizer-cuda-graph` here (apex / TE take it too);
+    torch.optim's own `capturable` keeps the step count on the device for CUDA-graph capture.
+    """
     if unsupported:
         raise TypeError(f"{impl_name} Adam does not support {sorted(unsupported)} "
                         "(precision-aware optimizer options need Transformer Engine's FusedAdam)")
@@ -14,7 +18,8 @@ def make_adam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-
         raise ValueError("bias_correction=False is not supported by torch.optim Adam/AdamW")
     cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     report.ran("adam", f"{impl_name}.{cls.__name__}")
-    return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, **impl_flags)
+    return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+               capturable=capturable, **impl_flags)
 
 
 def Adam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,

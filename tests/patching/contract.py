@@ -16,12 +16,9 @@ def probe(scenario: str, env_items: tuple = ()):
 
 
 def specs_of(area):
-    from megatron_adapt.core import all_specs
+    from probe import specs_for_this_megatron
 
-    from probe import _present
-
-    return [s for s in all_specs() if s.area == area and _present(s)
-            and not s.module.startswith(("megatron.training", "megatron.legacy"))]
+    return [s for s in specs_for_this_megatron() if s.area == area]
 
 
 class PatchContract:

@@ -26,8 +26,18 @@ def _present(spec):
         return False
 
 
-SPECS = [s for s in all_specs()
-         if not s.module.startswith(("megatron.training", "megatron.legacy")) and _present(s)]
+def specs_for_this_megatron():
+    """The spec the applier picks per target for the installed megatron-core (a target that changed
+    between releases has one spec per range), leaving out those outside their range."""
+    from megatron_adapt.versions import in_range, megatron_core_version
+
+    version = megatron_core_version()
+    return [s for s in applier.select(all_specs(), version)
+            if in_range(s.versions, version) and _present(s)
+            and not s.module.startswith(("megatron.training", "megatron.legacy"))]
+
+
+SPECS = specs_for_this_megatron()
 MODULES = sorted({s.module for s in SPECS})
 # Consumers that import patched names into their own globals: each must see our object.
 ALIASES = {
