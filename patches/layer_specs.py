@@ -115,21 +115,52 @@ def _provider_class(backend):
     return AdaptSpecProvider
 
 
+class BackendResidualNorm:
+    """What core_v0.17+'s provider returns for `layer_norm(has_residual=True)` (the norm before a
+    residual branch: MLA's input norm, MoE's pre-MLP norm). TE fuses the residual fork into RMSNorm
+    only under `fused_residual_rmsnorm` (then its forward returns (out, residual)); otherwise it is
+    TENorm, and so is ours."""
+
+    def __new__(cls, config, hidden_size, eps=1e-5):
+        if getattr(config, "fused_residual_rmsnorm", False):
+            raise NotImplementedError(
+                "fused_residual_rmsnorm=True needs Transformer Engine's TEFusedResidualRMSNorm (its "
+                "forward returns (output, residual)); megatron-adapt's backend norm does not provide it: "
+                "leave fused_residual_rmsnorm off")
+        return BackendNorm(config, hidden_size, eps)
+
+
+def build_provider_with_residual_norms(backend, original):
+    """core_v0.17+: BackendSpecProvider.layer_norm takes `has_residual` (and 0.19's GPT and MoE
+    specs pass it)."""
+    _require_no_te(None)
+    key = f"{backend.name}+residual"
+    if key not in _built:
+        class AdaptSpecProvider(build_provider(backend, original)):
+            def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
+                return BackendResidualNorm if has_residual else BackendNorm
+        _built[key] = AdaptSpecProvider
+    return _built[key]
+
+
 def build_te_norm(backend, original):
     _require_no_te(original)
     return BackendNorm
 
 
-def _provider_spec(module, optional=False):
-    return PatchSpec(f"{module}:TESpecProvider", area="layer_specs", build=build_provider,
-                     create=True, optional=optional)
+def _provider_specs(module, optional=False):
+    """One spec per release range: the provider's `layer_norm` signature changed in core_v0.17."""
+    return [PatchSpec(f"{module}:TESpecProvider", area="layer_specs", build=build_provider,
+                      create=True, optional=optional, versions=">=0.15.0,<0.17.0"),
+            PatchSpec(f"{module}:TESpecProvider", area="layer_specs", build=build_provider_with_residual_norms,
+                      create=True, optional=optional, versions=">=0.17.0,<0.20.0")]
 
 
 SPECS = [
-    _provider_spec("megatron.core.models.gpt.gpt_layer_specs"),
+    *_provider_specs("megatron.core.models.gpt.gpt_layer_specs"),
     PatchSpec("megatron.core.models.gpt.gpt_layer_specs:TENorm", area="layer_specs",
               build=build_te_norm, create=True),
-    _provider_spec("megatron.core.models.gpt.moe_module_specs"),
-    _provider_spec("megatron.core.transformer.multi_token_prediction"),
-    _provider_spec("megatron.core.models.gpt.experimental_attention_variant_module_specs", optional=True),
+    *_provider_specs("megatron.core.models.gpt.moe_module_specs"),
+    *_provider_specs("megatron.core.transformer.multi_token_prediction"),
+    *_provider_specs("megatron.core.models.gpt.experimental_attention_variant_module_specs", optional=True),
 ]

@@ -6,7 +6,7 @@
 # batch-size ramp-up, cosine schedule, every fusion flag at its default), then only sizes, the
 # parallel layout and the data source are overridden (argparse: a later flag wins).
 #
-# One change of kind, not of size: the example gives --rampup-batch-size together with --train-iters,
+# One change of kind, not of size: the example gives a batch-size ramp-up together with --train-iters,
 # which stock Megatron-LM core_v0.16.1 rejects on any hardware ("expected no batch-size rampup for
 # iteration-based training", megatron/training/arguments.py). The run is made sample-based instead
 # (--train-samples / --lr-decay-samples for the example's --train-iters / --lr-decay-iters), so the
@@ -28,18 +28,34 @@ eval "$(sed -n '/^GPT_MODEL_ARGS=(/,/^)/p; /^TRAINING_ARGS=(/,/^)/p' "$EXAMPLE")
 [[ ${#GPT_MODEL_ARGS[@]} -gt 0 && ${#TRAINING_ARGS[@]} -gt 0 ]] || {
     echo "could not read GPT_MODEL_ARGS / TRAINING_ARGS from $EXAMPLE" >&2; exit 2; }
 
+# The batch-size ramp-up: --rampup-batch-size (core_v0.16, 0.17) or, from core_v0.18, a token-based
+# --step-batch-size-schedule. The 0.18 / 0.19 example gives that schedule together with
+# --global-batch-size, which their own argument check rejects on any hardware ("Cannot specify both
+# --step-batch-size-schedule and --global-batch-size"): the schedule is kept (scaled: 4 sequences,
+# then 8 after 1280 tokens) and the example's global batch size is dropped.
+STEP_SCHEDULE=0
+for a in "${TRAINING_ARGS[@]}"; do [[ "$a" == --step-batch-size-schedule ]] && STEP_SCHEDULE=1; done
+
 # Drop the example's iteration counts (flag + value); the sample-based equivalents follow.
 KEEP=(); skip=0
 for a in "${TRAINING_ARGS[@]}"; do
     if [[ $skip == 1 ]]; then skip=0; continue; fi
     case "$a" in --train-iters|--lr-decay-iters) skip=1; continue ;; esac
+    if [[ $STEP_SCHEDULE == 1 ]]; then
+        case "$a" in --global-batch-size|--step-batch-size-schedule) skip=1; continue ;; esac
+    fi
     KEEP+=("$a")
 done
 TRAINING_ARGS=("${KEEP[@]}")
+if [[ $STEP_SCHEDULE == 1 ]]; then
+    RAMPUP=(--step-batch-size-schedule "0:4 1280:8")
+else
+    RAMPUP=(--global-batch-size 8 --rampup-batch-size 4 4 64)
+fi
 
 SCALE_DOWN=(
     --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64
-    --micro-batch-size 1 --global-batch-size 8 --rampup-batch-size 4 4 64
+    --micro-batch-size 1 "${RAMPUP[@]}"
     --train-samples "$((ITERS * 8))" --lr-decay-samples "$((ITERS * 8))" --init-method-std 0.02
     --lr 1e-3 --min-lr 1e-4
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size 1

@@ -130,10 +130,13 @@ def ranks_printed(run: Run, t: str, p: str) -> bool:
     return re.search(rf"\[ t {t}, (?:\w+ \d+/\d+, )*p {p} \]", run.out) is not None
 
 
-def assert_patched(run: Run, required=REQUIRED_PATCHES):
+def assert_patched(run: Run, required=REQUIRED_PATCHES, may_wait=()):
+    """No patch failed; none is pending but those whose module (prefix in `may_wait`) the script
+    never imports; every `required` one applied."""
     assert "megatron-adapt: backend=cpu" in run.out, "no start-up report on rank 0"
     rows = {target: status for _, target, status in ROW_RE.findall(run.out)}
-    failed = {t: s for t, s in rows.items() if s in ("failed", "pending")}
+    failed = {t: s for t, s in rows.items()
+              if s == "failed" or (s == "pending" and not t.startswith(tuple(may_wait)))}
     assert not failed, f"patches not applied: {failed}"
     missing = [t for t in required if rows.get(t) != "applied"]
     assert not missing, f"not applied: {missing}; table: {rows}"
@@ -269,8 +272,10 @@ def test_gpt3_example_arguments_scaled_down(tmp_path):
     run = launch_script("pretrain_gpt3_example.sh", [], tmp_path, "gpt3",
                         env=dict(CKPT=str(tmp_path / "ckpt")), timeout=400)
     assert run.rc == 0, run.out[-6000:]
-    for flag in ("--attention-backend auto", "--fp16", "--rampup-batch-size 16 16 5859375", "--init-method-std 0.006"):
+    for flag in ("--attention-backend auto", "--fp16", "--init-method-std 0.006"):
         assert flag in run.out, flag                                  # the example's own flags ...
+    # ... and its ramp-up: --rampup-batch-size up to core_v0.17, a step schedule from 0.18 (scaled)
+    assert "--rampup-batch-size 16 16 5859375" in run.out or "--step-batch-size-schedule 0:4 1280:8" in run.out
     assert "--transformer-impl" not in run.out and "--no-" not in run.out.split("\n", 1)[0]
     assert re.search(r"global batch size:\s+4 \|", run.out) and re.search(r"global batch size:\s+8 \|", run.out)
     assert_patched(run)
@@ -290,7 +295,9 @@ def test_simple_mcore_train_loop_example(tmp_path):
     assert re.search(r"Iteration 4: Losses reduced: \[\{'lm loss': tensor\(4\.\d+", run.out), run.out[-3000:]
     assert "Successfully loaded the model" in run.out
     assert (tmp_path / "ckpt" / "metadata.json").is_file()
-    assert_patched(run, required=())
+    # From core_v0.19 the example never imports megatron.training, nor the experimental attention
+    # specs: those optional patches stay pending (waiting for an import that does not come).
+    assert_patched(run, required=(), may_wait=("megatron.training.", "megatron.core.models.gpt.experimental_"))
 
 
 def test_default_impl_and_wgrad_fusion_match_stock_local_unfused(tmp_path):

@@ -344,6 +344,24 @@ def _():
             "matches_local": close(logits["te"], logits["local"], 1e-5),
             "block_matches_local": close(logits["te_block"], logits["local"], 1e-5),
         }
+    # core_v0.17+: the provider's layer_norm takes has_residual (0.19's MoE / MLA specs pass it).
+    import inspect
+
+    from megatron.core.models.gpt import gpt_layer_specs
+    provider = gpt_layer_specs.TESpecProvider()
+    if "has_residual" in inspect.signature(provider.layer_norm).parameters:
+        config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                                   normalization="RMSNorm", use_cpu_initialization=True)
+        norm = provider.layer_norm(has_residual=True)(config=config, hidden_size=32, eps=1e-5)
+        x = torch.randn(3, 32)
+        out["residual_norm"] = {"type": type(norm).__name__,
+                                "matches": close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5), 1e-5)}
+        try:
+            config.fused_residual_rmsnorm = True
+            provider.layer_norm(has_residual=True)(config=config, hidden_size=32, eps=1e-5)
+            out["residual_norm"]["fused_residual"] = "built"
+        except NotImplementedError as exc:
+            out["residual_norm"]["fused_residual"] = str(exc)
     return out
 
 

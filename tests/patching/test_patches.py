@@ -154,6 +154,15 @@ class TestLayerSpecs(PatchContract):
             assert names <= set(r["keys"]), r["keys"]  # TE's parameter names
             assert r["norm_calls"] >= 3 * 2 * 2 + 3, r   # 2 norms/layer x 2 layers + final, 3 models
             assert r["matches_local"] and r["block_matches_local"], r
+        from packaging.version import Version
+
+        from megatron_adapt.versions import megatron_core_version
+        if megatron_core_version() >= Version("0.17.0"):  # the provider's layer_norm(has_residual=...)
+            r = res["residual_norm"]
+            assert r["type"].startswith("Adapt") and r["matches"], r
+            assert "TEFusedResidualRMSNorm" in r["fused_residual"], r
+        else:
+            assert "residual_norm" not in res, res
 
 
 class TestStartupReport(PatchContract):
