@@ -30,7 +30,7 @@ def describe(command: str) -> str:
     for flag, name in FLAGS.items():
         if flag in args:
             value = args[args.index(flag) + 1]
-            if value != "1":
+            if value != "1" or name == "VPP-layers":
                 parts.append(f"{name}={value}")
     parts += [name for flag, name in SWITCHES.items() if flag in args]
     if "--transformer-impl" in args:
