@@ -316,3 +316,19 @@ def test_batch_first_attention_layout_matches_megatron():
     """)
     out = run_python(code, env={"MEGATRON_ADAPT_AUTO": "0", "MEGATRON_ADAPT_ATTENTION_LAYOUT": "BSH"}).stdout
     assert "LAYOUT bshd MATCH True CALLS 2" in out, out
+
+
+def test_a_megatron_lm_checkout_of_another_release_line_is_named_as_a_mismatch(tmp_path):
+    """tests/megatron_lm skips (naming both versions) when MEGATRON_LM_PATH's checkout is not the
+    installed megatron-core's release line; a patch-level difference is no mismatch."""
+    from megatron_checkout import installed_version, mismatch_reason
+
+    installed = installed_version()
+    assert installed is not None  # CI installs megatron-core
+    fake_megatron(tmp_path / "same", f"{installed.major}.{installed.minor}.{installed.micro + 7}")
+    fake_megatron(tmp_path / "other", f"{installed.major}.{installed.minor + 1}.0")
+    assert mismatch_reason(str(tmp_path / "same")) is None
+    reason = mismatch_reason(str(tmp_path / "other"))
+    assert f"{installed.major}.{installed.minor + 1}.0" in reason and str(installed) in reason, reason
+    assert "not a Megatron-LM checkout" in mismatch_reason(str(tmp_path))
+    assert mismatch_reason(None) is None
