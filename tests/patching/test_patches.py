@@ -156,6 +156,20 @@ class TestLayerSpecs(PatchContract):
             assert r["matches_local"] and r["block_matches_local"], r
 
 
+class TestMoE(PatchContract):
+    area = "moe"
+
+    def test_grouped_gemm_permute_and_router_fusion_through_moe_layer(self):
+        res = consumer("moe")
+        assert res["experts_class"] == "GroupedMLP", res
+        assert res["grouped_gemm_calls"] == 2, res  # fc1 and fc2, fp32 (stock: bf16 only)
+        assert res["experts_match"] and res["experts_grads_match"] and res["empty_expert_grad_zero"], res
+        fused, unfused = res["calls_fused_True"], res["calls_fused_False"]
+        assert all(n >= 1 for n in fused.values()), fused   # every fused MoE op served by the backend
+        assert not any(unfused.values()), unfused            # flags off: Megatron's own code
+        assert res["layer_matches_unfused"], res
+
+
 class TestStartupReport(PatchContract):
     area = "startup_report"
 
