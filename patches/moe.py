@@ -273,6 +273,49 @@ def build_aux_loss(backend, original):
     return wrapper
 
 
+# --------------------------------------------------------------------- split sizes on the host
+def build_move_to_cpu(backend, original):
+    """The alltoall dispatcher's split sizes go through maybe_move_tensor_to_cpu(as_numpy=True),
+    which converts only CUDA tensors; on the cpu and npu backends they stayed tensors, which
+    torch's all_to_all_single refuses as split sizes. Any non-host tensor is copied to the host,
+    and as_numpy gives numpy wherever the tensor was."""
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if not torch.is_tensor(tensor):
+            return tensor
+        out = tensor
+        if tensor.device.type != "cpu":
+            out = tensor.to(torch.device("cpu"), non_blocking=True)
+            if record_stream:
+                tensor.record_stream(torch.cuda.current_stream())
+        return out.numpy() if as_numpy else out
+    return maybe_move_tensor_to_cpu
+
+
+# --------------------------------------------------------------------- argument check
+def build_validate_args(backend, original):
+    """`validate_args` asserts compute capability >= 8 for --moe-grouped-gemm: the grouped_gemm
+    package's CUTLASS kernels need it. The backend's grouped_gemm op does not (cpu: a loop; cuda
+    below 9.0: a loop reported as a fallback; npu: npu_grouped_matmul), so while validate_args
+    runs with --moe-grouped-gemm on a device reporting less, the capability reads (8, 0)."""
+    def wrapper(wrapped, instance, args, kwargs):
+        ns = args[0] if args else kwargs.get("args")
+        if not getattr(ns, "moe_grouped_gemm", False):
+            return wrapped(*args, **kwargs)
+        capability = torch.cuda.get_device_capability
+        try:
+            real = tuple(capability())
+        except Exception:  # no CUDA device and no device layer answering for one
+            real = (0, 0)
+        if real >= (8, 0):
+            return wrapped(*args, **kwargs)
+        torch.cuda.get_device_capability = lambda device=None: (8, 0)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            torch.cuda.get_device_capability = capability
+    return wrapper
+
+
 def _wrap(name, build):
     return PatchSpec(f"{UTILS}:{name}", area="moe", build=build, mode=WRAP)
 
@@ -288,6 +331,10 @@ SPECS = [
     _wrap("compute_routing_scores_for_aux_loss", build_router_scores),
     _wrap("switch_load_balancing_loss_func", build_aux_loss),
     PatchSpec(f"{UTILS}:te_general_gemm", area="moe", build=build_general_gemm, create=True),
+    PatchSpec(f"{UTILS}:maybe_move_tensor_to_cpu", area="moe", build=build_move_to_cpu,
+              backends=("cpu", "npu")),
+    PatchSpec("megatron.training.arguments:validate_args", area="moe", build=build_validate_args,
+              mode=WRAP, optional=True),
 ] + [PatchSpec(f"{UTILS}:{name}", area="moe", build=_te_name_builder(name), create=True)
      for name in ("fused_permute", "fused_permute_with_probs", "fused_unpermute",
                   "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs")]
