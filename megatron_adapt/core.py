@@ -79,12 +79,17 @@ def apply(backend: str | None = None, **switches):
         revert()
         raise
     if config.report_path and not _state.get("atexit"):
-        atexit.register(_write_report_at_exit)
+        atexit.register(_write_report_at_exit, os.getpid())
         _state["atexit"] = True
     return chosen
 
 
-def _write_report_at_exit():
+def _write_report_at_exit(pid=None):
+    import multiprocessing
+    if (pid is not None and os.getpid() != pid) or multiprocessing.parent_process() is not None:
+        # a child of a rank (checkpoint writer, data worker; forked or spawned, so it re-applies
+        # through sitecustomize) exits after its rank: its report has none of the rank's op counts
+        return
     config = _state.get("config")
     if config and config.report_path:
         path = config.report_path
