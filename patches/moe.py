@@ -291,6 +291,44 @@ def build_move_to_cpu(backend, original):
     return maybe_move_tensor_to_cpu
 
 
+# --------------------------------------------------------------------- uneven TP collectives (gloo)
+MAPPINGS = "megatron.core.tensor_parallel.mappings"
+
+
+def build_gather_uneven(backend, original):
+    """With TP + sequence parallelism the alltoall dispatcher all-gathers a different number of
+    tokens from each TP rank (output_split_sizes), as a list all_gather that gloo refuses
+    ("invalid tensor size"). On the cpu backend the uneven case pads each rank's rows to the
+    largest, gathers into one tensor, and drops the padding; the even case is Megatron's."""
+    def wrapper(wrapped, instance, args, kwargs):
+        a = _bind(wrapped, args, kwargs)
+        sizes, group, x = a["output_split_sizes"], a["group"], a["input_"]
+        if sizes is None or group is None or group.size() == 1:
+            return wrapped(*args, **kwargs)
+        sizes = [int(n) for n in sizes]
+        most = max(sizes)
+        padded = x.new_zeros((most, *x.shape[1:]))
+        padded[:x.shape[0]] = x
+        buf = x.new_empty((most * len(sizes), *x.shape[1:]))
+        torch.distributed.all_gather_into_tensor(buf, padded.contiguous(), group=group)
+        return torch.cat([buf[i * most:i * most + n] for i, n in enumerate(sizes)])
+    return wrapper
+
+
+def build_reduce_scatter_uneven(backend, original):
+    """The matching uneven reduce-scatter (input_split_sizes): an all-reduce of the whole input,
+    then this rank's rows (gloo has no list reduce_scatter)."""
+    def wrapper(wrapped, instance, args, kwargs):
+        a = _bind(wrapped, args, kwargs)
+        sizes, group, x = a["input_split_sizes"], a["group"], a["input_"]
+        if sizes is None or group is None or group.size() == 1:
+            return wrapped(*args, **kwargs)
+        total = x.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        return torch.split(total, [int(n) for n in sizes], dim=0)[group.rank()].contiguous()
+    return wrapper
+
+
 # --------------------------------------------------------------------- argument check
 def build_validate_args(backend, original):
     """`validate_args` asserts compute capability >= 8 for --moe-grouped-gemm: the grouped_gemm
@@ -333,6 +371,10 @@ SPECS = [
     PatchSpec(f"{UTILS}:te_general_gemm", area="moe", build=build_general_gemm, create=True),
     PatchSpec(f"{UTILS}:maybe_move_tensor_to_cpu", area="moe", build=build_move_to_cpu,
               backends=("cpu", "npu")),
+    PatchSpec(f"{MAPPINGS}:_gather_along_first_dim", area="moe", build=build_gather_uneven,
+              mode=WRAP, backends=("cpu",)),
+    PatchSpec(f"{MAPPINGS}:_reduce_scatter_along_first_dim", area="moe",
+              build=build_reduce_scatter_uneven, mode=WRAP, backends=("cpu",)),
     PatchSpec("megatron.training.arguments:validate_args", area="moe", build=build_validate_args,
               mode=WRAP, optional=True),
 ] + [PatchSpec(f"{UTILS}:{name}", area="moe", build=_te_name_builder(name), create=True)

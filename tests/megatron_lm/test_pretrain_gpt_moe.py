@@ -80,7 +80,8 @@ def test_ep2_shared_expert_permute_and_router_fusion(tmp_path):
 
 
 def test_tp2_ep2_four_processes(tmp_path):
-    run = pretrain(["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+    # Megatron's MoELayer refuses tensor parallelism without sequence parallelism in training
+    run = pretrain(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
                     "--moe-shared-expert-intermediate-size", "128"], tmp_path, "tp2_ep2", nproc=4)
     base.assert_loss_falls(run)
     assert_moe_ran(run)
