@@ -11,9 +11,9 @@ padded_mode=False) -> (permuted, sorted_indices int32)` and `npu_moe_token_unper
 sorted_indices, probs=None, padded_mode=False, restore_shape=None)`; both take a [T, topk] table
 of expert ids, so they serve dropless routing (every token the same number of experts, which
 this op checks on the host once per call) in bf16, the kernels' documented dtype. The row map
-handed back is e * N + p (p the row's flat position t * topk + j, N = T * topk), which tells
-unpermute both the kernel's sorted_indices and each row's expert. Anything else (dropped
-tokens, other dtypes) takes the PyTorch ops, reported as a fallback.
+is the reference's (e * T + t), so a kernel unpermute pairs with a fallback permute and back;
+unpermute rebuilds the kernel's sorted_indices from it. Anything else (dropped tokens, other
+dtypes) takes the PyTorch ops, reported as a fallback.
 
 moe_sort_chunks, moe_topk_router, moe_router_scores: PyTorch ops, which torch_npu dispatches to
 NPU kernels (reported as npu.torch).
@@ -94,38 +94,50 @@ def moe_permute(tokens, routing_map, probs=None, num_out_tokens=None):
     t, k = table.shape
     n = t * k
     permuted, inverse = npu.npu_moe_token_permute(tokens, table, num_out_tokens=n)
-    # inverse[p] = the row of flat position p; position of each row:
+    # inverse[p] = the row of flat position p = t * k + j; each row's position:
     pos = torch.empty(n, dtype=torch.int64, device=tokens.device).scatter_(
         0, inverse.to(torch.int64), torch.arange(n, device=tokens.device))
-    expert = table.reshape(-1).index_select(0, pos)
-    permuted_probs = None
-    if probs is not None:
-        permuted_probs = probs.t().reshape(-1).index_select(0, expert * t + pos // k)
-    return permuted, permuted_probs, expert * n + pos
+    row_map = table.reshape(-1).index_select(0, pos) * t + pos // k   # e * T + t, as the reference's
+    permuted_probs = None if probs is None else probs.t().reshape(-1).index_select(0, row_map)
+    return permuted, permuted_probs, row_map
+
+
+def _flat_positions(row_map, num_tokens):
+    """Each row's flat position t * k + j (j: its rank among its token's experts), when every
+    token has the same number k of rows; else None. Rows sorted token-major, experts ascending,
+    are exactly the flat order."""
+    n = row_map.numel()
+    token = row_map % num_tokens
+    counts = torch.bincount(token, minlength=num_tokens)
+    if n == 0 or n % num_tokens or not bool((counts == n // num_tokens).all()):
+        return None
+    order = torch.argsort(token * (1 << 31) + row_map // num_tokens)
+    return torch.empty_like(order).scatter_(0, order, torch.arange(n, device=row_map.device))
 
 
 def moe_unpermute(permuted, row_map, restore_shape, merging_probs=None):
     npu = torch_npu()
-    if not hasattr(npu, "npu_moe_token_unpermute") or permuted.dtype != torch.bfloat16:
-        why = ("torch_npu has no npu_moe_token_unpermute" if not hasattr(npu, "npu_moe_token_unpermute")
-               else f"dtype {permuted.dtype} (the kernel takes bf16)")
+    t = int(restore_shape[0])
+    pos = None
+    if not hasattr(npu, "npu_moe_token_unpermute"):
+        why = "torch_npu has no npu_moe_token_unpermute"
+    elif permuted.dtype != torch.bfloat16:
+        why = f"dtype {permuted.dtype} (the kernel takes bf16)"
+    else:
+        pos = _flat_positions(row_map, t)
+        why = "tokens have different numbers of rows (dropped tokens)" if pos is None else None
+    if pos is None:
         report.fell_back("moe_unpermute", "npu.torch(moe_unpermute)", why)
-        n = permuted.shape[0]
-        t = int(restore_shape[0])
-        pos, expert = row_map % n, row_map // n
-        k = n // t
-        # the cpu reference's row map is e * T + t
-        return reference.unpermute_reference(permuted, expert * t + pos // k, restore_shape, merging_probs)
+        return reference.unpermute_reference(permuted, row_map, restore_shape, merging_probs)
     report.ran("moe_unpermute", "npu.torch_npu.npu_moe_token_unpermute")
-    n, t = permuted.shape[0], int(restore_shape[0])
+    n = permuted.shape[0]
     k = n // t
-    pos, expert = row_map % n, row_map // n
     inverse = torch.empty(n, dtype=torch.int64, device=permuted.device).scatter_(
         0, pos, torch.arange(n, device=permuted.device)).to(torch.int32)
     if merging_probs is None:
         probs = torch.ones(t, k, dtype=permuted.dtype, device=permuted.device)
-    else:
-        picked = merging_probs.t().reshape(-1).index_select(0, expert * t + pos // k)
+    else:  # the kernel takes bf16 probs [T, k] in flat order
+        picked = merging_probs.t().reshape(-1).index_select(0, row_map)
         probs = torch.zeros(n, dtype=picked.dtype, device=permuted.device).scatter(0, pos, picked)
         probs = probs.view(t, k).to(permuted.dtype)
     return npu.npu_moe_token_unpermute(permuted, inverse, probs=probs)
