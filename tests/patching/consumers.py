@@ -411,6 +411,19 @@ def _():
         runs[fused] = (y.detach(), h.grad, moe.router.weight.grad.clone(), experts.weight1.grad.clone())
         out[f"calls_fused_{fused}"] = {op: counted(op) - before[op] for op in ops}
     out["layer_matches_unfused"] = all(close(a, b, 1e-5) for a, b in zip(runs[True], runs[False]))
+
+    # --moe-router-dtype fp32: the router GEMM through the te_general_gemm name 0.16 leaves unbound
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+    inp = torch.randn(6, 2, 32).bfloat16().requires_grad_()
+    w = torch.randn(5, 32).bfloat16().requires_grad_()
+    logits = router_gating_linear(inp, w, None, torch.float32)
+    g = torch.randn_like(logits)
+    logits.backward(g)
+    ir, wr = inp.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = ir @ wr.t()
+    ref.backward(g)
+    out["router_fp32"] = {"dtype": str(logits.dtype), "matches": close(logits, ref, 1e-4),
+                          "grads_match": close(inp.grad, ir.grad, 2e-2) and close(w.grad, wr.grad, 2e-2)}
     return out
 
 

@@ -168,6 +168,8 @@ class TestMoE(PatchContract):
         assert all(n >= 1 for n in fused.values()), fused   # every fused MoE op served by the backend
         assert not any(unfused.values()), unfused            # flags off: Megatron's own code
         assert res["layer_matches_unfused"], res
+        # --moe-router-dtype fp32 (every router, without TE, NameErrors on te_general_gemm unpatched)
+        assert res["router_fp32"] == {"dtype": "torch.float32", "matches": True, "grads_match": True}, res
 
 
 class TestStartupReport(PatchContract):
