@@ -14,10 +14,12 @@
 # SwiGLU, RoPE, untied embeddings, no linear biases.
 # Usage: MEGATRON_LM_PATH=/path/to/Megatron-LM scripts/bench_moe.sh OUTDIR
 # Env: ITERS [30] WARMUP [10] PEAK_TFLOPS [989] RUNS ["stock adapt"] EXTRA_ARGS [""] (both runs)
+#      NPROC [1] GPUs (torchrun --nproc-per-node), EP [1] --expert-model-parallel-size (e.g. NPROC=2
+#      EP=2 on two GPUs over NCCL; nvidia-smi's peak is GPU 0's)
 set -euo pipefail
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1)}"
 OUTDIR=${1:?usage: scripts/bench_moe.sh OUTDIR}; mkdir -p "$OUTDIR"
-ITERS=${ITERS:-30}; WARMUP=${WARMUP:-10}; PEAK_TFLOPS=${PEAK_TFLOPS:-989}; RUNS=${RUNS:-"stock adapt"}
+ITERS=${ITERS:-30}; WARMUP=${WARMUP:-10}; NPROC=${NPROC:-1}; EP=${EP:-1}; PEAK_TFLOPS=${PEAK_TFLOPS:-989}; RUNS=${RUNS:-"stock adapt"}
 HERE=$(cd "$(dirname "$0")" && pwd)
 export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONUNBUFFERED=1
 
@@ -32,6 +34,7 @@ MODEL=(
     --train-iters "$ITERS" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5
     --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --init-method-std 0.02
     --log-interval 1 --log-throughput --eval-iters 0 --eval-interval 100000
+    --expert-model-parallel-size "$EP"
 )
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
 MODEL+=("${EXTRA[@]}")
@@ -40,7 +43,7 @@ STOCK_FLAGS=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm
 ADAPT_FLAGS=(--moe-grouped-gemm --moe-permute-fusion --moe-router-fusion)
 ALL_BUT_MOE=jit,rng,training,cross_entropy,norms,softmax,attention,rope,activations,optimizer,checkpointing,multi_tensor,grad_accum_fusion,layer_specs,startup_report,device
 if command -v megatron-adapt-run >/dev/null; then ADAPT=(megatron-adapt-run); else ADAPT=(python3 -m megatron_adapt.launcher); fi
-TORCHRUN=(python3 -m torch.distributed.run --nproc-per-node 1 --master-port 29561)
+TORCHRUN=(python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port 29561)
 
 peak_smi() {  # sample nvidia-smi's used memory while the command runs; peak MiB into $1.smi_peak_mib
     local log=$1; shift; local peak=0
