@@ -15,7 +15,14 @@
   `compute_routing_scores_for_aux_loss` with fused=True run `moe_topk_router` /
   `moe_router_scores`; `switch_load_balancing_loss_func` with fused=True runs Megatron's own
   formula (two reductions; reported as op `moe_aux_loss`, `megatron.formula`).
-The `transformer_engine` package is not faked: moe_utils.HAVE_TE stays False.
+- every router: `te_general_gemm`, which 0.16 names in RouterGatingLinearFunction but binds only
+  with TE (a NameError otherwise), is created on torch.mm.
+- the alltoall dispatcher on cpu / npu: `maybe_move_tensor_to_cpu` copies any non-host tensor and
+  gives numpy (all_to_all_single refuses tensor split sizes); on cpu, the uneven TP all-gather /
+  reduce-scatter (TP + EP + sequence parallelism) run over gloo.
+- `validate_args`' compute-capability check for --moe-grouped-gemm reads (8, 0) while it runs
+  on a device reporting less (the check guards the grouped_gemm package's CUTLASS kernels).
+The `transformer_engine` package is not faked: moe_utils.HAVE_TE stays False. See docs/moe.md.
 """
 import inspect
 import types
