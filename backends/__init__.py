@@ -31,6 +31,12 @@ STANDARD_LAYOUT = {
     "multi_tensor_l2norm": ".multi_tensor:l2norm",
     "multi_tensor_scale": ".multi_tensor:scale",
     "wgrad_accumulate": ".matmul:wgrad_accumulate",
+    "grouped_gemm": ".moe:grouped_gemm",
+    "moe_permute": ".moe:moe_permute",
+    "moe_unpermute": ".moe:moe_unpermute",
+    "moe_sort_chunks": ".moe:moe_sort_chunks",
+    "moe_topk_router": ".moe:moe_topk_router",
+    "moe_router_scores": ".moe:moe_router_scores",
     "rng_get_state": ".rng:get_state",
     "rng_set_state": ".rng:set_state",
 }

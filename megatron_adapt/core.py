@@ -6,7 +6,6 @@ import importlib
 import logging
 import os
 import platform
-import sys
 
 from . import applier, report as _report
 from .config import Config
@@ -81,20 +80,23 @@ def apply(backend: str | None = None, **switches):
         revert()
         raise
     if config.report_path and not _state.get("atexit"):
-        atexit.register(_write_report_at_exit)
+        atexit.register(_write_report_at_exit, os.getpid())
         _state["atexit"] = True
     return chosen
 
 
-def _write_report_at_exit():
+def _write_report_at_exit(pid=None):
+    if pid is not None and os.getpid() != pid:
+        return  # a forked child (data worker, checkpoint writer) inherits atexit and stale counts
     config = _state.get("config")
     if config and config.report_path:
         path = config.report_path
         rank = _report._rank()
         path = path if rank == 0 else f"{path}.rank{rank}"
-        # A process that never imported Megatron (torchrun's agent, exiting after its workers) does
-        # not overwrite the report a Megatron rank wrote.
-        if "megatron.core" in sys.modules or not os.path.exists(path):
+        # A process that ran no op (torchrun's agent exiting after its workers; a helper process
+        # a rank spawned, such as the checkpoint writer, which re-applies through sitecustomize
+        # and exits after its rank) does not overwrite the report a rank wrote.
+        if _report.op_counts() or not os.path.exists(path):
             _report.write_json(path)
 
 

@@ -28,6 +28,24 @@ multi_tensor_scale          (srcs: list, dsts: list, scale: float) -> None; dst 
 wgrad_accumulate            (input [t, in], grad_output [t, out], main_grad [out, in]) -> None;
                             main_grad += grad_output^T @ input in place (gradient-accumulation
                             fusion; main_grad fp32 with bf16/fp16 operands, or all one dtype)
+grouped_gemm                (x [T, k], w [E, k, n] ([E, n, k] with trans_b), tokens_per_expert [E] int (any
+                            device), trans_b: bool) -> y [T, n]; the rows of expert e (consecutive,
+                            experts in order) times w[e]. Experts with no rows get zero weight grads
+moe_permute                 (tokens [T, h], routing_map bool [T, E], probs [T, E] | None, num_out_tokens
+                            | None) -> (permuted [N, h], permuted_probs [N] | None, row_map [N] int64):
+                            rows expert-major, tokens ascending within an expert (Megatron's permute
+                            order); row_map[r] = e * T + t, row r's expert e and token t
+moe_unpermute               (permuted [N, h], row_map [N] from moe_permute, restore_shape (T, h),
+                            merging_probs [T, E] | None) -> [T, h] permuted.dtype: each token's rows
+                            (times their prob) summed in fp32
+moe_sort_chunks             (input [N, ...], split_sizes [C] int, sorted_idxs [C] int, probs [N] | None)
+                            -> (output, probs | None): the C consecutive chunks reordered as sorted_idxs
+moe_topk_router             (logits [T, E], topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
+                            score_function 'softmax'|'sigmoid', expert_bias | None) -> (routing_probs
+                            [T, E] logits.dtype, routing_map bool [T, E]) (Megatron's
+                            topk_routing_with_score_function)
+moe_router_scores           (logits [T, E], topk, score_function) -> (routing_map bool [T, E], scores
+                            [T, E] fp32) for the load-balancing loss
 rng_get_state               () -> state tensor of the generator Megatron calls "cuda"
 rng_set_state               (state) -> None
 """
@@ -35,7 +53,8 @@ rng_set_state               (state) -> None
 OPS = (
     "vocab_parallel_cross_entropy", "rms_norm", "layer_norm", "scaled_masked_softmax", "attention",
     "rope", "swiglu", "bias_swiglu", "bias_gelu", "adam", "sgd", "multi_tensor_l2norm",
-    "multi_tensor_scale", "wgrad_accumulate", "rng_get_state", "rng_set_state",
+    "multi_tensor_scale", "wgrad_accumulate", "grouped_gemm", "moe_permute", "moe_unpermute",
+    "moe_sort_chunks", "moe_topk_router", "moe_router_scores", "rng_get_state", "rng_set_state",
 )
 
 

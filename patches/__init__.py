@@ -18,6 +18,7 @@ AREAS = (
     "checkpointing",
     "multi_tensor",
     "grad_accum_fusion",
+    "moe",
     "layer_specs",
     "startup_report",
 )

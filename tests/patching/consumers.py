@@ -365,4 +365,84 @@ def _():
     return out
 
 
+@check("moe")
+def _():
+    """Megatron's MoELayer from the default TE layer spec (TE absent): 5 experts, top-2, grouped
+    GEMM, alltoall dispatcher, aux loss, in fp32 (stock GroupedMLP accepts bf16 only).
+    The experts against a per-expert fp64 loop with uneven and empty experts; the whole layer with
+    --moe-permute-fusion / --moe-router-fusion against the same layer on Megatron's unfused code."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    out = {}
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, num_moe_experts=5,
+        moe_ffn_hidden_size=24, moe_router_topk=2, moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, add_bias_linear=False,
+        gated_linear_unit=True, activation_func=F.silu, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, moe_permute_fusion=True, moe_router_fusion=True)
+    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=5, moe_grouped_gemm=True)
+    model = GPTModel(config, spec, vocab_size=64, max_sequence_length=16)
+    moe = model.decoder.layers[0].mlp
+    experts = moe.experts
+    out["experts_class"] = type(experts).__name__
+
+    # the experts alone: uneven rows, experts 1 and 4 empty
+    sizes = torch.tensor([3, 0, 6, 2, 0])
+    x = torch.randn(int(sizes.sum()), 32, requires_grad=True)
+    probs = torch.rand(x.shape[0], requires_grad=True)
+    before = counted("grouped_gemm")
+    y, _ = experts(x, sizes, probs)
+    g = torch.randn_like(y)
+    y.backward(g)
+    out["grouped_gemm_calls"] = counted("grouped_gemm") - before
+    w1 = experts.weight1.detach().double().view(5, 32, -1).requires_grad_()
+    w2 = experts.weight2.detach().double().view(5, -1, 32).requires_grad_()
+    xr, pr = x.detach().double().requires_grad_(), probs.detach().double().requires_grad_()
+    rows, r0 = [], 0
+    for e, n in enumerate(sizes.tolist()):
+        a, b = (xr[r0:r0 + n] @ w1[e]).chunk(2, dim=-1)
+        rows.append((F.silu(a) * b * pr[r0:r0 + n, None]) @ w2[e])
+        r0 += n
+    ref = torch.cat(rows)
+    ref.backward(g.double())
+    out["experts_match"] = close(y, ref, 1e-5)
+    out["experts_grads_match"] = (close(x.grad, xr.grad, 1e-5) and close(probs.grad, pr.grad, 1e-5)
+                                  and close(experts.weight1.grad.view(5, 32, -1), w1.grad, 1e-5)
+                                  and close(experts.weight2.grad.view(5, -1, 32), w2.grad, 1e-5))
+    out["empty_expert_grad_zero"] = bool((experts.weight1.grad.view(5, 32, -1)[[1, 4]] == 0).all())
+
+    # the whole layer: fused flags (backend ops) against Megatron's unfused code, same weights
+    hidden = torch.randn(8, 2, 32)
+    runs = {}
+    for fused in (True, False):
+        config.moe_permute_fusion = config.moe_router_fusion = fused
+        model.zero_grad()
+        ops = ("moe_permute", "moe_unpermute", "moe_sort_chunks", "moe_topk_router",
+               "moe_router_scores", "moe_aux_loss")
+        before = {op: counted(op) for op in ops}
+        h = hidden.clone().requires_grad_()
+        y, _ = moe(h)
+        (y * torch.linspace(-1, 1, 32)).sum().backward()  # the aux loss reaches the router too
+        runs[fused] = (y.detach(), h.grad, moe.router.weight.grad.clone(), experts.weight1.grad.clone())
+        out[f"calls_fused_{fused}"] = {op: counted(op) - before[op] for op in ops}
+    out["layer_matches_unfused"] = all(close(a, b, 1e-5) for a, b in zip(runs[True], runs[False]))
+
+    # --moe-router-dtype fp32: the router GEMM through the te_general_gemm name 0.16 leaves unbound
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+    inp = torch.randn(6, 2, 32).bfloat16().requires_grad_()
+    w = torch.randn(5, 32).bfloat16().requires_grad_()
+    logits = router_gating_linear(inp, w, None, torch.float32)
+    g = torch.randn_like(logits)
+    logits.backward(g)
+    ir, wr = inp.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = ir @ wr.t()
+    ref.backward(g)
+    out["router_fp32"] = {"dtype": str(logits.dtype), "matches": close(logits, ref, 1e-4),
+                          "grads_match": close(inp.grad, ir.grad, 2e-2) and close(w.grad, wr.grad, 2e-2)}
+    return out
+
+
 print("PROBE-JSON:" + json.dumps(results))

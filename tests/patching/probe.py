@@ -51,6 +51,11 @@ ALIASES = {
     "megatron.core.utils:local_multi_tensor_l2_norm": ["megatron.core.optimizer.clip_grads:l2_norm_impl"],
     "megatron.core.utils:local_multi_tensor_scale": ["megatron.core.optimizer.clip_grads:multi_tensor_scale_impl"],
     "megatron.core.tensor_parallel.random:_set_cuda_rng_state": [],
+    **{f"megatron.core.transformer.moe.moe_utils:{name}": [f"megatron.core.transformer.moe.token_dispatcher:{name}"]
+       for name in ("permute", "unpermute", "sort_chunks_by_idxs")},
+    **{f"megatron.core.transformer.moe.moe_utils:{name}": [f"megatron.core.transformer.moe.router:{name}"]
+       for name in ("topk_routing_with_score_function", "compute_routing_scores_for_aux_loss",
+                    "switch_load_balancing_loss_func")},
 }
 CONSUMER_MODULES = ["megatron.core.models.gpt.gpt_model", "megatron.core.models.gpt.gpt_layer_specs",
                     "megatron.core.optimizer", "megatron.core.optimizer.clip_grads"]

@@ -165,6 +165,22 @@ class TestLayerSpecs(PatchContract):
             assert "residual_norm" not in res, res
 
 
+class TestMoE(PatchContract):
+    area = "moe"
+
+    def test_grouped_gemm_permute_and_router_fusion_through_moe_layer(self):
+        res = consumer("moe")
+        assert res["experts_class"] == "GroupedMLP", res
+        assert res["grouped_gemm_calls"] == 2, res  # fc1 and fc2, fp32 (stock: bf16 only)
+        assert res["experts_match"] and res["experts_grads_match"] and res["empty_expert_grad_zero"], res
+        fused, unfused = res["calls_fused_True"], res["calls_fused_False"]
+        assert all(n >= 1 for n in fused.values()), fused   # every fused MoE op served by the backend
+        assert not any(unfused.values()), unfused            # flags off: Megatron's own code
+        assert res["layer_matches_unfused"], res
+        # --moe-router-dtype fp32 (every router, without TE, NameErrors on te_general_gemm unpatched)
+        assert res["router_fp32"] == {"dtype": "torch.float32", "matches": True, "grads_match": True}, res
+
+
 class TestStartupReport(PatchContract):
     area = "startup_report"
 

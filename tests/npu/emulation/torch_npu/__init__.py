@@ -11,7 +11,8 @@ The tests put its parent directory on sys.path for the duration of a test module
 PYTHONPATH of the processes they spawn); it is never on the path otherwise.
 
     torch_npu.npu_rms_norm / npu_scaled_masked_softmax / npu_fusion_attention / npu_rotary_mul /
-        npu_swiglu / npu_matmul_add_fp32 -> ._ops (strict validation, CPU math, autograd)
+        npu_swiglu / npu_matmul_add_fp32 / npu_grouped_matmul / npu_moe_token_permute /
+        npu_moe_token_unpermute -> ._ops (strict validation, CPU math, autograd)
     torch.npu (= torch_npu.npu)         -> is_available / device_count / default_generators ...
                                            mapped to the CPU (TORCH_NPU_EMULATION_DEVICES=n, default 1)
     torch_npu.contrib.transfer_to_npu   -> installs megatron-adapt's CPU device layer
@@ -21,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from . import npu
-from ._ops import (EmulatedNPUError, npu_fusion_attention, npu_matmul_add_fp32, npu_rms_norm,
-                   npu_rotary_mul, npu_rotary_mul_legacy, npu_scaled_masked_softmax, npu_swiglu)
+from ._ops import (EmulatedNPUError, npu_fusion_attention, npu_grouped_matmul, npu_matmul_add_fp32,
+                   npu_moe_token_permute, npu_moe_token_unpermute, npu_rms_norm, npu_rotary_mul,
+                   npu_rotary_mul_legacy, npu_scaled_masked_softmax, npu_swiglu)
 
 __version__ = "2.6.0+megatron_adapt.emulation"
 EMULATION = True
@@ -38,6 +40,7 @@ def _create_hccl(store, rank, size, timeout):
 if dist.is_available() and "hccl" not in dist.Backend.backend_list:
     dist.Backend.register_backend("hccl", _create_hccl, devices=["cpu"])
 
-__all__ = ["EmulatedNPUError", "npu", "npu_fusion_attention", "npu_matmul_add_fp32", "npu_rms_norm",
+__all__ = ["EmulatedNPUError", "npu", "npu_fusion_attention", "npu_grouped_matmul", "npu_matmul_add_fp32",
+           "npu_moe_token_permute", "npu_moe_token_unpermute", "npu_rms_norm",
            "npu_rotary_mul",
            "npu_rotary_mul_legacy", "npu_scaled_masked_softmax", "npu_swiglu"]

@@ -356,3 +356,105 @@ def npu_matmul_add_fp32(x, weight, C):  # noqa: N803 (the real parameter name)
     with torch.no_grad():
         C.add_(x.float().t() @ weight.float())
     return C
+
+
+# --------------------------------------------------------------------- npu_grouped_matmul
+def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+                       antiquant_offset=None, per_token_scale=None, group_list=None,
+                       activation_input=None, activation_quant_scale=None, activation_quant_offset=None,
+                       split_item=0, group_type=None, group_list_type=0, act_type=0, output_dtype=None):
+    """npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, ..., Tensor? group_list, int split_item=0,
+    int? group_type, int group_list_type=0, int act_type=0, ScalarType? output_dtype) -> Tensor[].
+
+    Modelled: the non-quantised single-tensor modes (split_item 2 or 3: one output tensor in a
+    list), x and weight each a list of one tensor, no bias. group_type -1 (none), 0 (groups of
+    rows of x [M, k], weight [E, k, n] -> [M, n]) or 2 (groups along the contraction: x [k, M],
+    weight [M, n] -> [E, k, n]). group_list 1-D int64: cumulative ends (group_list_type=0) or
+    counts (1), non-decreasing, covering all M rows. fp16/bf16/fp32, x and weight one dtype.
+    Quantisation, multi-tensor outputs and activations are not modelled (rejected). Empty groups
+    give zero rows / a zero [k, n] block, which the documentation leaves unstated.
+    """
+    _check(isinstance(x, (list, tuple)) and len(x) == 1, "x must be a list of one tensor (single-tensor mode)")
+    _check(isinstance(weight, (list, tuple)) and len(weight) == 1, "weight must be a list of one tensor")
+    a, w = x[0], weight[0]
+    _check_tensor("x[0]", a)
+    _check_tensor("weight[0]", w)
+    _check(a.dtype == w.dtype, f"x ({a.dtype}) and weight ({w.dtype}) must share a dtype")
+    _check(bias is None and scale is None and offset is None and antiquant_scale is None
+           and antiquant_offset is None and per_token_scale is None and activation_input is None,
+           "quantisation / bias arguments are not modelled by the emulation")
+    _check(split_item in (2, 3), f"split_item {split_item}: the emulation models the single-tensor modes 2 and 3")
+    _check(group_type in (-1, 0, 2), f"group_type {group_type} not supported (-1, 0, 2)")
+    _check(group_list_type in (0, 1), f"group_list_type {group_list_type} must be 0 (cumsum) or 1 (counts)")
+    _check(act_type == 0, "activations are not modelled")
+    if group_type == -1:
+        _check(a.dim() == 2 and w.dim() == 2, "group_type -1 takes 2-D x and weight")
+        return [(a.float() @ w.float()).to(output_dtype or a.dtype)]
+    _check(isinstance(group_list, torch.Tensor) and group_list.dim() == 1 and group_list.dtype == torch.int64,
+           "group_list must be a 1-D int64 tensor")
+    counts = group_list.tolist() if group_list_type == 1 else \
+        [e - s for s, e in zip([0] + group_list.tolist()[:-1], group_list.tolist())]
+    _check(all(c >= 0 for c in counts), f"group_list {group_list.tolist()} must be non-decreasing (type 0) / non-negative")
+    if group_type == 0:
+        _check(a.dim() == 2 and w.dim() == 3, f"group_type 0 takes x [M, k] and weight [E, k, n], got {tuple(a.shape)}, {tuple(w.shape)}")
+        _check(w.shape[0] == len(counts), f"weight has {w.shape[0]} groups, group_list {len(counts)}")
+        _check(sum(counts) == a.shape[0], f"group_list covers {sum(counts)} rows, x has {a.shape[0]}")
+        _check(a.shape[1] == w.shape[1], f"contraction sizes differ: x {a.shape[1]}, weight {w.shape[1]}")
+        outs = [c.float() @ w[e].float() for e, c in enumerate(torch.split(a, counts))]
+        return [torch.cat(outs).to(output_dtype or a.dtype)]
+    _check(a.dim() == 2 and w.dim() == 2, "group_type 2 takes x [k, M] and weight [M, n]")
+    _check(a.shape[1] == w.shape[0] == sum(counts), f"group_list covers {sum(counts)}, x {tuple(a.shape)}, weight {tuple(w.shape)}")
+    blocks = [xa.float() @ wb.float() for xa, wb in zip(torch.split(a, counts, dim=1), torch.split(w, counts))]
+    return [torch.stack(blocks).to(output_dtype or a.dtype)]
+
+
+# --------------------------------------------------------------------- npu_moe_token_(un)permute
+def npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False):
+    """npu_moe_token_permute(Tensor tokens, Tensor indices, int? num_out_tokens=None,
+    bool padded_mode=False) -> (Tensor permuted_tokens, Tensor sorted_indices).
+
+    tokens [T, h] bf16; indices [T, topk] (or [T]) int64 expert ids. Rows are the stable argsort
+    of indices.view(-1) (expert-major, flat position ascending), the first num_out_tokens kept;
+    sorted_indices (int32, [T * topk]) is the inverse of that sort: the row of each flat position,
+    which npu_moe_token_unpermute takes. padded_mode=True is not supported (documented).
+    Autograd flows to tokens (the real op registers a backward).
+    """
+    _check_tensor("tokens", tokens, (torch.bfloat16,))
+    _check(tokens.dim() == 2, "tokens must be 2-D")
+    _check(isinstance(indices, torch.Tensor) and indices.dtype == torch.int64 and indices.dim() in (1, 2)
+           and indices.shape[0] == tokens.shape[0], "indices must be int64 [T] or [T, topk]")
+    _check(not padded_mode, "padded_mode=True is not supported")
+    topk = 1 if indices.dim() == 1 else indices.shape[1]
+    order = torch.argsort(indices.reshape(-1), stable=True)
+    inverse = torch.argsort(order, stable=True).to(torch.int32)
+    if num_out_tokens is not None:
+        _check(0 <= num_out_tokens <= order.numel(), f"num_out_tokens {num_out_tokens} out of range")
+        order = order[:num_out_tokens]
+    return tokens.index_select(0, order // topk), inverse
+
+
+def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    """npu_moe_token_unpermute(Tensor permuted_tokens, Tensor sorted_indices, Tensor? probs=None,
+    bool padded_mode=False, int[]? restore_shape=None) -> Tensor.
+
+    permuted_tokens [N, h] bf16, sorted_indices int32 [N] from npu_moe_token_permute, probs
+    [T, topk] bf16 with T * topk == N (None: topk = 1). out[t] = sum_j probs[t, j] *
+    permuted_tokens[sorted_indices[t * topk + j]], in fp32, returned in bf16. (The op-plugin
+    page's reference code index_copies with the forward sort instead; the two ops are used as a
+    pair, so the emulation keeps the pair consistent with the permute page.)
+    """
+    _check_tensor("permuted_tokens", permuted_tokens, (torch.bfloat16,))
+    _check(isinstance(sorted_indices, torch.Tensor) and sorted_indices.dtype == torch.int32
+           and sorted_indices.dim() == 1, "sorted_indices must be 1-D int32")
+    _check(sorted_indices.numel() == permuted_tokens.shape[0], "sorted_indices must have one entry per row")
+    _check(not padded_mode, "padded_mode=True is not supported")
+    topk = 1
+    if probs is not None:
+        _check_tensor("probs", probs, (torch.bfloat16,))
+        _check(probs.dim() == 2 and probs.numel() == permuted_tokens.shape[0], "probs must be [T, topk], T * topk == rows")
+        topk = probs.shape[1]
+    rows = permuted_tokens.float().index_select(0, sorted_indices.long())
+    rows = rows.view(-1, topk, permuted_tokens.shape[1])
+    if probs is not None:
+        rows = rows * probs.float().unsqueeze(-1)
+    return rows.sum(dim=1).to(permuted_tokens.dtype)

@@ -1,0 +1,389 @@
+"""Mixture-of-experts without Transformer Engine or the `grouped_gemm` package.
+
+- `--moe-grouped-gemm`: without TE, Megatron's spec providers (its local one, and
+  patches/layer_specs' provider behind the default TE spec) build the legacy `GroupedMLP`, which
+  needs the `grouped_gemm` package (`grouped_gemm_util.grouped_gemm` / `.ops`) and accepts only
+  bf16. This area binds those two module globals to a namespace whose `ops.gmm(a, b, batch_sizes,
+  trans_b)` (the package's API) runs the backend's `grouped_gemm` op, and replaces
+  `GroupedMLP.forward` with the same computation minus the bf16-only assertion (the backend op
+  takes every float dtype). With the package installed, the package stays (specs skipped).
+- `--moe-permute-fusion`: `permute`, `unpermute` and `sort_chunks_by_idxs` with fused=True run the
+  backend's `moe_permute` / `moe_unpermute` / `moe_sort_chunks`; the five TE names the
+  TransformerConfig check imports from moe_utils (`fused_permute`, ...) are created with TE's
+  signatures on the same ops. fused=False calls Megatron's own code.
+- `--moe-router-fusion`: `topk_routing_with_score_function` and
+  `compute_routing_scores_for_aux_loss` with fused=True run `moe_topk_router` /
+  `moe_router_scores`; `switch_load_balancing_loss_func` with fused=True runs Megatron's own
+  formula (two reductions; reported as op `moe_aux_loss`, `megatron.formula`).
+- every router: `te_general_gemm`, which 0.16 names in RouterGatingLinearFunction but binds only
+  with TE (a NameError otherwise), is created on torch.mm.
+- the alltoall dispatcher on cpu / npu: `maybe_move_tensor_to_cpu` copies any non-host tensor and
+  gives numpy (all_to_all_single refuses tensor split sizes); on cpu, the uneven TP all-gather /
+  reduce-scatter (TP + EP + sequence parallelism) run over gloo.
+- `validate_args`' compute-capability check for --moe-grouped-gemm reads (8, 0) while it runs
+  on a device reporting less (the check guards the grouped_gemm package's CUTLASS kernels).
+The `transformer_engine` package is not faked: moe_utils.HAVE_TE stays False. See docs/moe.md.
+"""
+import inspect
+import types
+
+import torch
+
+from megatron_adapt import report
+from megatron_adapt.spec import WRAP, PatchSpec, SkipPatch
+
+GG = "megatron.core.transformer.moe.grouped_gemm_util"
+UTILS = "megatron.core.transformer.moe.moe_utils"
+EXPERTS = "megatron.core.transformer.moe.experts"
+PACKAGE_PRESENT = "the grouped_gemm package is installed; Megatron uses it"
+
+_namespaces: dict = {}
+
+
+def _gmm_namespace(backend):
+    ns = _namespaces.get(backend.name)
+    if ns is None:
+        grouped_gemm = backend.op("grouped_gemm")
+
+        def gmm(a, b, batch_sizes, trans_b=False):
+            return grouped_gemm(a, b, batch_sizes, trans_b)
+
+        ops = types.SimpleNamespace(gmm=gmm, __megatron_adapt_impl__=f"{backend.name}.grouped_gemm")
+        ns = types.SimpleNamespace(ops=ops, __name__="megatron_adapt.grouped_gemm",
+                                   __megatron_adapt_impl__=f"{backend.name}.grouped_gemm")
+        _namespaces[backend.name] = ns
+    return ns
+
+
+def build_package(backend, original):
+    if original is not None:
+        raise SkipPatch(PACKAGE_PRESENT)
+    return _gmm_namespace(backend)
+
+
+def build_ops(backend, original):
+    if original is not None:
+        raise SkipPatch(PACKAGE_PRESENT)
+    return _gmm_namespace(backend).ops
+
+
+def build_grouped_mlp_forward(backend, original):
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    if grouped_gemm_util.grouped_gemm is not None and not hasattr(grouped_gemm_util.grouped_gemm,
+                                                                  "__megatron_adapt_impl__"):
+        raise SkipPatch(PACKAGE_PRESENT)
+    grouped_gemm = backend.op("grouped_gemm")
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        """GroupedMLP.forward on the backend's grouped_gemm, in any float dtype."""
+        x, probs = permuted_local_hidden_states, permuted_probs
+        if self.activation_recompute:
+            self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput()
+        if self.config.moe_apply_probs_on_input:
+            assert self.config.moe_router_topk == 1, \
+                "`moe_apply_probs_on_input` only works with `moe_router_topk`=1."
+            x = (probs.unsqueeze(-1) * x).to(x.dtype)
+            probs = torch.ones_like(probs)
+        hidden = self.config.hidden_size
+        if x.nelement() != 0:
+            w1 = self.weight1.view(self.num_local_experts, hidden, -1)
+            w2 = self.weight2.view(self.num_local_experts, -1, hidden)
+            fc1 = grouped_gemm(x, w1, tokens_per_expert, False)
+            fc2 = lambda h: grouped_gemm(h, w2, tokens_per_expert, False)  # noqa: E731
+        else:  # no token for the local experts: keep the weights in the graph (zero grads)
+            fc1 = torch.matmul(x, self.weight1.view(hidden, -1))
+            fc2 = lambda h: torch.matmul(h, self.weight2.view(-1, hidden))  # noqa: E731
+        if self.activation_recompute:
+            h = self.activation_checkpoint.checkpoint(self.activation_func_with_probs, fc1,
+                                                      probs.unsqueeze(-1))
+            out = fc2(h)
+            self.activation_checkpoint.discard_output_and_register_recompute(out)
+        else:
+            out = fc2(self.activation_func_with_probs(fc1, probs.unsqueeze(-1)))
+        return out, None
+
+    forward.__megatron_adapt_impl__ = f"{backend.name}.grouped_gemm (GroupedMLP.forward, any dtype)"
+    return forward
+
+
+# --------------------------------------------------------------------- permute fusion
+def _fused(args, kwargs, position):
+    return kwargs["fused"] if "fused" in kwargs else (len(args) > position and bool(args[position]))
+
+
+_signatures: dict = {}
+
+
+def _bind(wrapped, args, kwargs):
+    sig = _signatures.get(wrapped)
+    if sig is None:
+        sig = _signatures[wrapped] = inspect.signature(wrapped)
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def build_permute(backend, original):
+    moe_permute = backend.op("moe_permute")
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if not _fused(args, kwargs, 4):
+            return wrapped(*args, **kwargs)
+        a = _bind(wrapped, args, kwargs)
+        return moe_permute(a["tokens"], a["routing_map"], a["probs"], a["num_out_tokens"])
+    return wrapper
+
+
+def build_unpermute(backend, original):
+    moe_unpermute = backend.op("moe_unpermute")
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if not _fused(args, kwargs, 5):
+            return wrapped(*args, **kwargs)
+        a = _bind(wrapped, args, kwargs)
+        return moe_unpermute(a["permuted_tokens"], a["sorted_indices"], a["restore_shape"], a["probs"])
+    return wrapper
+
+
+def build_sort_chunks(backend, original):
+    sort_chunks = backend.op("moe_sort_chunks")
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if not _fused(args, kwargs, 4):
+            return wrapped(*args, **kwargs)
+        a = _bind(wrapped, args, kwargs)
+        return sort_chunks(a["input"], a["split_sizes"], a["sorted_idxs"], a["probs"])
+    return wrapper
+
+
+def _te_names(backend):
+    """TE's fused permutation functions (moe_utils' names for them) on the backend's ops."""
+    permute, unpermute = backend.op("moe_permute"), backend.op("moe_unpermute")
+    sort_chunks = backend.op("moe_sort_chunks")
+
+    def fused_permute(inp, routing_map, num_out_tokens=-1, max_token_num=-1, map_type="mask"):
+        _mask_only(map_type)
+        out, _, row_map = permute(inp, routing_map, None, None if num_out_tokens < 0 else num_out_tokens)
+        return out, row_map
+
+    def fused_permute_with_probs(inp, merging_probs, routing_map, num_out_tokens=-1):
+        return permute(inp, routing_map, merging_probs, None if num_out_tokens < 0 else num_out_tokens)
+
+    def fused_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_type="mask",
+                        probs=None):
+        _mask_only(map_type)
+        probs = merging_probs if merging_probs is not None else probs
+        return unpermute(inp, row_id_map, restore_shape, probs)
+
+    def fused_sort_chunks_by_index(inp, split_sizes, sorted_index):
+        return sort_chunks(inp, split_sizes, sorted_index, None)[0]
+
+    def fused_sort_chunks_by_index_with_probs(inp, probs, split_sizes, sorted_index):
+        return sort_chunks(inp, split_sizes, sorted_index, probs)
+
+    return {f.__name__: f for f in (fused_permute, fused_permute_with_probs, fused_unpermute,
+                                     fused_sort_chunks_by_index, fused_sort_chunks_by_index_with_probs)}
+
+
+def _mask_only(map_type):
+    if map_type != "mask":
+        raise ValueError(f"map_type={map_type!r}: megatron-adapt's permutation takes a routing mask")
+
+
+def _te_name_builder(name):
+    def build(backend, original):
+        _require_no_te(original)
+        fn = _te_names(backend)[name]
+        fn.__megatron_adapt_impl__ = f"{backend.name}.moe ops ({name} signature)"
+        return fn
+    return build
+
+
+def _require_no_te(original=None):
+    from megatron.core.transformer.moe import moe_utils
+    if original is not None or getattr(moe_utils, "HAVE_TE", False):
+        raise SkipPatch("Transformer Engine is installed: its fused MoE kernels serve")
+
+
+# --------------------------------------------------------------------- router gating GEMM
+def build_general_gemm(backend, original):
+    """moe_utils' RouterGatingLinearFunction calls TE's `general_gemm` under the name
+    te_general_gemm, which megatron-core 0.16 leaves unbound without TE (every MoE router then
+    fails with a NameError). Created here with TE's layout convention, as the torch.mm its own
+    fp64 branch uses: 'TN' -> B @ A^T, 'NN' -> B @ A, 'NT' -> B^T @ A, in out_dtype; returns a
+    tuple whose first item is the product, as TE's does."""
+    _require_no_te(original)
+
+    def te_general_gemm(A, B, out_dtype, layout="TN", bias=None, grad=False):  # noqa: N803 (TE's names)
+        a, b = A.to(out_dtype), B.to(out_dtype)
+        if layout == "TN":
+            out = b @ a.t() if bias is None else torch.addmm(bias.to(out_dtype), b, a.t())
+        elif layout == "NN":
+            out = b @ a
+        elif layout == "NT":
+            out = b.t() @ a
+        else:
+            raise ValueError(f"layout {layout!r}: the router gating GEMM uses TN, NN and NT")
+        if bias is not None and layout != "TN":
+            raise ValueError("bias is only added in the forward (TN) product")
+        return (out, None, None, None)
+
+    te_general_gemm.__megatron_adapt_impl__ = "torch.mm (router gating GEMM in the router dtype)"
+    return te_general_gemm
+
+
+# --------------------------------------------------------------------- router fusion
+def build_topk(backend, original):
+    router = backend.op("moe_topk_router")
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if not _fused(args, kwargs, 8):
+            return wrapped(*args, **kwargs)
+        a = _bind(wrapped, args, kwargs)
+        if a.get("router_replay") is not None:
+            # TE's fused kernel ignores the replay too; Megatron's own path honours it
+            report.fell_back("moe_topk_router", "megatron.topk_routing_with_score_function",
+                             "router replay needs Megatron's unfused path")
+            kwargs = dict(a, fused=False)
+            return wrapped(**kwargs)
+        return router(a["logits"], a["topk"], a["use_pre_softmax"], a["num_groups"], a["group_topk"],
+                      a["scaling_factor"], a["score_function"], a["expert_bias"])
+    return wrapper
+
+
+def build_router_scores(backend, original):
+    scores = backend.op("moe_router_scores")
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if not _fused(args, kwargs, 3):
+            return wrapped(*args, **kwargs)
+        a = _bind(wrapped, args, kwargs)
+        routing_map, s = scores(a["logits"], a["topk"], a["score_function"])
+        mask = a.get("padding_mask")
+        if mask is not None:  # as Megatron does after its own (and TE's) computation
+            valid = (~mask).unsqueeze(-1)
+            routing_map, s = routing_map * valid, s * valid
+        return routing_map, s
+    return wrapper
+
+
+def build_aux_loss(backend, original):
+    def wrapper(wrapped, instance, args, kwargs):
+        if not _fused(args, kwargs, 6):
+            return wrapped(*args, **kwargs)
+        report.ran("moe_aux_loss", "megatron.formula")
+        a = _bind(wrapped, args, kwargs)
+        a["fused"] = False
+        return wrapped(**a)
+    return wrapper
+
+
+# --------------------------------------------------------------------- split sizes on the host
+def build_move_to_cpu(backend, original):
+    """The alltoall dispatcher's split sizes go through maybe_move_tensor_to_cpu(as_numpy=True),
+    which converts only CUDA tensors; on the cpu and npu backends they stayed tensors, which
+    torch's all_to_all_single refuses as split sizes. Any non-host tensor is copied to the host,
+    and as_numpy gives numpy wherever the tensor was."""
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if not torch.is_tensor(tensor):
+            return tensor
+        out = tensor
+        if tensor.device.type != "cpu":
+            out = tensor.to(torch.device("cpu"), non_blocking=True)
+            if record_stream:
+                tensor.record_stream(torch.cuda.current_stream())
+        return out.numpy() if as_numpy else out
+    return maybe_move_tensor_to_cpu
+
+
+# --------------------------------------------------------------------- uneven TP collectives (gloo)
+MAPPINGS = "megatron.core.tensor_parallel.mappings"
+
+
+def build_gather_uneven(backend, original):
+    """With TP + sequence parallelism the alltoall dispatcher all-gathers a different number of
+    tokens from each TP rank (output_split_sizes), as a list all_gather that gloo refuses
+    ("invalid tensor size"). On the cpu backend the uneven case pads each rank's rows to the
+    largest, gathers into one tensor, and drops the padding; the even case is Megatron's."""
+    def wrapper(wrapped, instance, args, kwargs):
+        a = _bind(wrapped, args, kwargs)
+        sizes, group, x = a["output_split_sizes"], a["group"], a["input_"]
+        if sizes is None or group is None or group.size() == 1:
+            return wrapped(*args, **kwargs)
+        sizes = [int(n) for n in sizes]
+        most = max(sizes)
+        padded = x.new_zeros((most, *x.shape[1:]))
+        padded[:x.shape[0]] = x
+        buf = x.new_empty((most * len(sizes), *x.shape[1:]))
+        torch.distributed.all_gather_into_tensor(buf, padded.contiguous(), group=group)
+        return torch.cat([buf[i * most:i * most + n] for i, n in enumerate(sizes)])
+    return wrapper
+
+
+def build_reduce_scatter_uneven(backend, original):
+    """The matching uneven reduce-scatter (input_split_sizes): an all-reduce of the whole input,
+    then this rank's rows (gloo has no list reduce_scatter)."""
+    def wrapper(wrapped, instance, args, kwargs):
+        a = _bind(wrapped, args, kwargs)
+        sizes, group, x = a["input_split_sizes"], a["group"], a["input_"]
+        if sizes is None or group is None or group.size() == 1:
+            return wrapped(*args, **kwargs)
+        total = x.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        return torch.split(total, [int(n) for n in sizes], dim=0)[group.rank()].contiguous()
+    return wrapper
+
+
+# --------------------------------------------------------------------- argument check
+def build_validate_args(backend, original):
+    """`validate_args` asserts compute capability >= 8 for --moe-grouped-gemm: the grouped_gemm
+    package's CUTLASS kernels need it. The backend's grouped_gemm op does not (cpu: a loop; cuda
+    below 9.0: a loop reported as a fallback; npu: npu_grouped_matmul), so while validate_args
+    runs with --moe-grouped-gemm on a device reporting less, the capability reads (8, 0)."""
+    def wrapper(wrapped, instance, args, kwargs):
+        ns = args[0] if args else kwargs.get("args")
+        if not getattr(ns, "moe_grouped_gemm", False):
+            return wrapped(*args, **kwargs)
+        capability = torch.cuda.get_device_capability
+        try:
+            real = tuple(capability())
+        except Exception:  # no CUDA device and no device layer answering for one
+            real = (0, 0)
+        if real >= (8, 0):
+            return wrapped(*args, **kwargs)
+        torch.cuda.get_device_capability = lambda device=None: (8, 0)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            torch.cuda.get_device_capability = capability
+    return wrapper
+
+
+def _wrap(name, build):
+    return PatchSpec(f"{UTILS}:{name}", area="moe", build=build, mode=WRAP)
+
+
+SPECS = [
+    PatchSpec(f"{GG}:grouped_gemm", area="moe", build=build_package),
+    PatchSpec(f"{GG}:ops", area="moe", build=build_ops),
+    PatchSpec(f"{EXPERTS}:GroupedMLP.forward", area="moe", build=build_grouped_mlp_forward),
+    _wrap("permute", build_permute),
+    _wrap("unpermute", build_unpermute),
+    _wrap("sort_chunks_by_idxs", build_sort_chunks),
+    _wrap("topk_routing_with_score_function", build_topk),
+    _wrap("compute_routing_scores_for_aux_loss", build_router_scores),
+    _wrap("switch_load_balancing_loss_func", build_aux_loss),
+    PatchSpec(f"{UTILS}:te_general_gemm", area="moe", build=build_general_gemm, create=True),
+    PatchSpec(f"{UTILS}:maybe_move_tensor_to_cpu", area="moe", build=build_move_to_cpu,
+              backends=("cpu", "npu")),
+    PatchSpec(f"{MAPPINGS}:_gather_along_first_dim", area="moe", build=build_gather_uneven,
+              mode=WRAP, backends=("cpu",)),
+    PatchSpec(f"{MAPPINGS}:_reduce_scatter_along_first_dim", area="moe",
+              build=build_reduce_scatter_uneven, mode=WRAP, backends=("cpu",)),
+    PatchSpec("megatron.training.arguments:validate_args", area="moe", build=build_validate_args,
+              mode=WRAP, optional=True),
+] + [PatchSpec(f"{UTILS}:{name}", area="moe", build=_te_name_builder(name), create=True)
+     for name in ("fused_permute", "fused_permute_with_probs", "fused_unpermute",
+                  "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs")]

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# MoE end-to-end: stock Megatron-LM pretrain_gpt.py on one GPU, same model, seed and mock data.
+#   (a) stock:  --transformer-impl local (SequentialMLP: one ColumnParallel/RowParallel pair per
+#               expert, no grouped GEMM), the flags it needs without apex / TE (as scripts/bench_e2e.sh),
+#               Megatron's unfused permutation and router. megatron-core 0.16.1 cannot route at
+#               all without TE (moe_utils.RouterGatingLinearFunction names te_general_gemm, unbound
+#               without TE: NameError), so (a) runs under megatron-adapt with every area disabled
+#               but `moe`, whose only effect with these flags is binding that name (fused=False
+#               calls pass straight to Megatron's code; GroupedMLP is not built).
+#   (b) adapt:  megatron-adapt-run, Megatron's default arguments plus --moe-grouped-gemm
+#               --moe-permute-fusion --moe-router-fusion.
+# Model (issue 13): 16 layers, hidden 2048, 16 heads, 8 experts top-2, expert ffn 2816, alltoall
+# dispatcher, aux loss 1e-2, seq 2048, micro-batch 2, global batch 8, vocab 32000, bf16, RMSNorm,
+# SwiGLU, RoPE, untied embeddings, no linear biases.
+# Usage: MEGATRON_LM_PATH=/path/to/Megatron-LM scripts/bench_moe.sh OUTDIR
+# Env: ITERS [30] WARMUP [10] PEAK_TFLOPS [989] RUNS ["stock adapt"] EXTRA_ARGS [""] (both runs)
+#      NPROC [1] GPUs (torchrun --nproc-per-node), EP [1] --expert-model-parallel-size (e.g. NPROC=2
+#      EP=2 on two GPUs over NCCL; nvidia-smi's peak is GPU 0's)
+set -euo pipefail
+: "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1)}"
+OUTDIR=${1:?usage: scripts/bench_moe.sh OUTDIR}; mkdir -p "$OUTDIR"
+ITERS=${ITERS:-30}; WARMUP=${WARMUP:-10}; NPROC=${NPROC:-1}; EP=${EP:-1}; PEAK_TFLOPS=${PEAK_TFLOPS:-989}; RUNS=${RUNS:-"stock adapt"}
+HERE=$(cd "$(dirname "$0")" && pwd)
+export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONUNBUFFERED=1
+
+MODEL=(
+    --num-layers 16 --hidden-size 2048 --num-attention-heads 16
+    --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 2816 --ffn-hidden-size 2816
+    --moe-token-dispatcher-type alltoall --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
+    --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 2 --global-batch-size 8
+    --tokenizer-type NullTokenizer --vocab-size 32000 --mock-data --split 949,50,1
+    --bf16 --normalization RMSNorm --swiglu --position-embedding-type rope
+    --untie-embeddings-and-output-weights --disable-bias-linear
+    --train-iters "$ITERS" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5
+    --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --init-method-std 0.02
+    --log-interval 1 --log-throughput --eval-iters 0 --eval-interval 100000
+    --expert-model-parallel-size "$EP"
+)
+read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
+MODEL+=("${EXTRA[@]}")
+STOCK_FLAGS=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm
+             --no-masked-softmax-fusion --no-gradient-accumulation-fusion)
+ADAPT_FLAGS=(--moe-grouped-gemm --moe-permute-fusion --moe-router-fusion)
+ALL_BUT_MOE=jit,rng,training,cross_entropy,norms,softmax,attention,rope,activations,optimizer,checkpointing,multi_tensor,grad_accum_fusion,layer_specs,startup_report,device
+if command -v megatron-adapt-run >/dev/null; then ADAPT=(megatron-adapt-run); else ADAPT=(python3 -m megatron_adapt.launcher); fi
+TORCHRUN=(python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port 29561)
+
+peak_smi() {  # sample nvidia-smi's used memory while the command runs; peak MiB into $1.smi_peak_mib
+    local log=$1; shift; local peak=0
+    "$@" > "$log" 2>&1 & local pid=$!
+    while kill -0 $pid 2>/dev/null; do
+        local used; used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 2>/dev/null | head -1 || echo 0)
+        (( used > peak )) && peak=$used; sleep 0.5
+    done
+    wait $pid; local rc=$?; echo "$peak" > "$log.smi_peak_mib"; return $rc
+}
+
+for run in $RUNS; do
+    case $run in
+        stock)  make -s -C "$MEGATRON_LM_PATH/megatron/core/datasets" \
+                    LIBEXT="$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" || true
+                peak_smi "$OUTDIR/stock.log" env MEGATRON_ADAPT_DISABLE=$ALL_BUT_MOE \
+                    MEGATRON_ADAPT_REPORT="$OUTDIR/stock_report.json" \
+                    "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" "${STOCK_FLAGS[@]}" ;;
+        adapt)  peak_smi "$OUTDIR/adapt.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_report.json" \
+                    "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" "${ADAPT_FLAGS[@]}" ;;
+        *) echo "unknown run $run" >&2; exit 2 ;;
+    esac
+done
+python3 "$HERE/e2e_summary.py" --outdir "$OUTDIR" --warmup "$WARMUP" --peak-tflops "$PEAK_TFLOPS" $RUNS

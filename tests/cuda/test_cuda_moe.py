@@ -1,0 +1,108 @@
+"""The cuda backend's MoE ops against fp64 references, forward and backward, with uneven tokens
+per expert and experts with no tokens.
+
+grouped_gemm: on an H100 (capability 9.0) bf16 runs torch._grouped_mm; fp32/fp16 and operands
+whose strides are not 16-byte aligned run the per-expert loop, reported as a fallback. Without a
+GPU the torch._grouped_mm autograd function is checked on CPU tensors (PyTorch has a CPU
+implementation of the same op) and the public op reports the fallback for CPU tensors.
+Permutation / chunk sort / router: device-side PyTorch, checked against the references on the
+test device, with no host synchronisation needed for the output sizes.
+"""
+import pytest
+import torch
+
+from _cuda_helpers import DEVICE, GPU, assert_close, ran_impl, reset
+from megatron_adapt.backends.cpu import moe as ref_moe
+from megatron_adapt.backends.cuda import moe
+
+SIZES = [[37, 0, 120, 5, 0, 64, 1, 29], [0, 0, 16], [256]]
+HOPPER = GPU and torch.cuda.get_device_capability()[0] >= 9
+
+
+def reference(x, w, sizes, trans_b=False):
+    rows, r0 = [], 0
+    for e, n in enumerate(sizes):
+        rows.append(x[r0:r0 + n].double() @ (w[e].t() if trans_b else w[e]).double())
+        r0 += n
+    return torch.cat(rows)
+
+
+def run(fn, x, w, sizes, trans_b):
+    x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y = fn(x, w, sizes, trans_b)
+    g = torch.randn(y.shape, device=y.device, generator=torch.Generator(y.device).manual_seed(1)).to(y.dtype)
+    y.backward(g)
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    yr = reference(xr, wr, sizes, trans_b)
+    yr.backward(g.double())
+    return (y, x.grad, w.grad), (yr, xr.grad, wr.grad)
+
+
+def operands(sizes, dtype, trans_b, k=64, n=96):
+    torch.manual_seed(0)
+    e = len(sizes)
+    x = torch.randn(sum(sizes), k, device=DEVICE).to(dtype)
+    w = (torch.randn(e, n, k, device=DEVICE) if trans_b else torch.randn(e, k, n, device=DEVICE)) * 0.1
+    return x, w.to(dtype)
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_grouped_mm_function_bf16(sizes, trans_b):
+    """The torch._grouped_mm path itself (on CPU tensors when there is no GPU)."""
+    x, w = operands(sizes, torch.bfloat16, trans_b)
+    if GPU and not HOPPER:
+        pytest.skip("torch._grouped_mm needs compute capability 9.0+")
+    ours, ref = run(lambda x, w, s, t: moe.grouped_mm(x, w, torch.tensor(s), t), x, w, sizes, trans_b)
+    for what, a, b in zip(("y", "dx", "dw"), ours, ref):
+        assert_close(a, b, torch.bfloat16, what, scale=1.5)
+    for e, cnt in enumerate(sizes):
+        if cnt == 0:
+            assert (ours[2][e] == 0).all(), "empty expert's weight gradient must be zero"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_grouped_gemm_op_path_and_fallbacks(dtype):
+    sizes = SIZES[0]
+    x, w = operands(sizes, dtype, False)
+    reset()
+    ours, ref = run(lambda x, w, s, t: moe.grouped_gemm(x, w, torch.tensor(s), t), x, w, sizes, False)
+    for what, a, b in zip(("y", "dx", "dw"), ours, ref):
+        assert_close(a, b, dtype, what, scale=1.5)
+    fast = HOPPER and dtype == torch.bfloat16
+    assert ran_impl("grouped_gemm") == ({"cuda.torch._grouped_mm"} if fast else {"cuda.loop(matmul per expert)"})
+    if not fast:
+        from megatron_adapt import report
+        assert report.as_dict()["ops"][0]["fallback_reason"]
+
+
+def test_grouped_gemm_unaligned_falls_back_with_reason():
+    x, w = operands([3, 4], torch.bfloat16, False, k=20, n=12)
+    assert "multiples of 8" in (moe.grouped_mm_reason(x, w) or "")
+
+
+def test_permute_unpermute_sort_router_on_device():
+    torch.manual_seed(0)
+    t, e, k, h = (4096, 16, 2, 256) if GPU else (64, 8, 2, 32)
+    logits = torch.randn(t, e, device=DEVICE)
+    logits[:, 3] = -1e4  # an expert no token picks
+    reset()
+    probs, routing_map = moe.moe_topk_router(logits, k, False, None, None, None, "softmax", None)
+    r_probs, r_map = ref_moe.topk_router_reference(logits.cpu(), k)
+    assert torch.equal(routing_map.cpu(), r_map) and torch.allclose(probs.cpu(), r_probs, atol=1e-6)
+    x = torch.randn(t, h, device=DEVICE, requires_grad=True)
+    out, pprobs, row_map = moe.moe_permute(x, routing_map, probs, t * k)
+    rows = row_map.cpu()
+    assert torch.equal(out.detach().cpu(), x.detach().cpu()[rows % t])
+    assert (rows // t).diff().ge(0).all(), "rows must be expert-major"
+    y = moe.moe_unpermute(out, row_map, (t, h), probs)
+    expect = x.detach().double() * probs.sum(-1, keepdim=True).double()
+    assert_close(y, expect, torch.float32, "unpermute")
+    y.sum().backward()
+    assert_close(x.grad, probs.sum(-1, keepdim=True).expand(t, h), torch.float32, "d tokens")
+    counts = routing_map.sum(0)
+    order = torch.randperm(e, device=DEVICE)
+    sorted_out, _ = moe.moe_sort_chunks(out.detach(), counts, order)
+    chunks = torch.split(out.detach().cpu(), counts.tolist())
+    assert torch.equal(sorted_out.cpu(), torch.cat([chunks[i] for i in order.tolist()]))
+    assert ran_impl("moe_permute") and ran_impl("moe_unpermute") and ran_impl("moe_sort_chunks")

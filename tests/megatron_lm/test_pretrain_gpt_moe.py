@@ -1,0 +1,87 @@
+"""Stock Megatron-LM pretrain_gpt.py, unmodified, as a mixture-of-experts GPT on the cpu backend.
+
+8 experts, top-2, --moe-grouped-gemm, the alltoall dispatcher and the aux-loss load balancing,
+Megatron's default arguments otherwise (fp32, --transformer-impl transformer_engine served without
+TE), under `megatron-adapt-run torchrun`: expert parallelism 2 on 2 processes (with save and
+resume), a shared expert with the permute and router fusions, and TP=2 + EP=2 on 4 processes.
+Each run checks the loss falls and, from the JSON report, which backend ops served the MoE layer.
+
+Needs MEGATRON_LM_PATH (skipped otherwise, like test_pretrain_gpt.py). ~2 minutes on 2 cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_pretrain_gpt as base  # noqa: E402
+
+pytestmark = base.pytestmark
+
+MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-grouped-gemm",
+       "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
+       "--moe-aux-loss-coeff", "1e-2", "--disable-bias-linear"]
+REQUIRED_MOE_PATCHES = (
+    "megatron.core.transformer.moe.grouped_gemm_util:grouped_gemm",
+    "megatron.core.transformer.moe.grouped_gemm_util:ops",
+    "megatron.core.transformer.moe.experts:GroupedMLP.forward",
+    "megatron.core.transformer.moe.moe_utils:te_general_gemm",
+    "megatron.training.arguments:validate_args",
+)
+
+
+def pretrain(args, tmp: Path, name: str, nproc: int = 2, iters: int = 10):
+    report = tmp / f"{name}.report.json"
+    cmd = ["megatron-adapt-run", "torchrun", "--nproc-per-node", str(nproc), "--master-port",
+           str(base._free_port()), os.path.join(base.LM, "pretrain_gpt.py"), *base.TINY_GPT,
+           "--train-iters", str(iters), *MOE, *args]
+    proc = subprocess.run(cmd, env={**base._env(), "MEGATRON_ADAPT_REPORT": str(report)}, cwd=tmp,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    log = tmp / f"{name}.log"
+    log.write_text(" ".join(cmd) + "\n" + proc.stdout)
+    run = base.Run(proc, log).check()
+    run.ops = {o["op"]: o for o in json.loads(report.read_text())["ops"]} if report.exists() else {}
+    return run
+
+
+def assert_moe_ran(run, *ops):
+    base.assert_patched(run, base.REQUIRED_PATCHES + REQUIRED_MOE_PATCHES)
+    assert "load_balancing_loss" in run.out, "no aux loss logged"
+    for op in ("grouped_gemm", *ops):
+        assert op in run.ops and run.ops[op]["calls"] > 0, (op, run.ops)
+        assert not run.ops[op]["fallback_reason"], run.ops[op]
+
+
+def test_ep2_grouped_gemm_alltoall_aux_loss_save_and_resume(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    save = ["--expert-model-parallel-size", "2", "--save", str(ckpt), "--save-interval", "5"]
+    first = pretrain(save, tmp_path, "ep2_save")
+    base.assert_loss_falls(first)
+    assert_moe_ran(first)
+    assert first.ops["grouped_gemm"]["implementation"] == "cpu.loop(matmul per expert)"
+    second = pretrain([*save, "--load", str(ckpt), "--override-opt_param-scheduler"], tmp_path,
+                      "ep2_resume", iters=15)
+    assert "successfully loaded checkpoint" in second.out
+    assert min(second.losses) == 11 and max(second.losses) == 15, second.losses
+    assert abs(second.losses[11] - first.losses[10]) < 0.25, (first.losses, second.losses)
+
+
+def test_ep2_shared_expert_permute_and_router_fusion(tmp_path):
+    run = pretrain(["--expert-model-parallel-size", "2", "--moe-shared-expert-intermediate-size", "128",
+                    "--moe-permute-fusion", "--moe-router-fusion"], tmp_path, "ep2_shared_fused")
+    base.assert_loss_falls(run)
+    assert_moe_ran(run, "moe_permute", "moe_unpermute", "moe_sort_chunks", "moe_topk_router",
+                   "moe_router_scores", "moe_aux_loss")
+
+
+def test_tp2_ep2_four_processes(tmp_path):
+    # Megatron's MoELayer refuses tensor parallelism without sequence parallelism in training
+    run = pretrain(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+                    "--moe-shared-expert-intermediate-size", "128"], tmp_path, "tp2_ep2", nproc=4)
+    base.assert_loss_falls(run)
+    assert_moe_ran(run)

@@ -1,0 +1,130 @@
+"""The npu backend's MoE ops through the torch_npu EMULATION (no Ascend NPU exists here) against
+fp64 references, forward and backward: uneven tokens per expert, experts with no tokens; which
+kernel ran and the reported fallbacks. Also the emulation's own contract checks for these ops."""
+import pytest
+import torch
+
+from megatron_adapt.backends import npu as npu_backend
+from megatron_adapt.backends.cpu import moe as ref_moe
+
+
+def op(name):
+    return npu_backend.BACKEND.op(name)
+
+
+def ran(report, name):
+    return set(report.op_counts().get(name, {}))
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("sizes", [[5, 0, 3, 9, 0, 1], [0, 4]])
+def test_grouped_gemm_npu_grouped_matmul(torch_npu, report, dtype, sizes):
+    torch.manual_seed(0)
+    e, k, n = len(sizes), 16, 24
+    x = torch.randn(sum(sizes), k).to(dtype).requires_grad_()
+    w = (torch.randn(e, k, n) * 0.2).to(dtype).requires_grad_()
+    y = op("grouped_gemm")(x, w, torch.tensor(sizes))
+    g = torch.randn_like(y)
+    y.backward(g)
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    rows, r0 = [], 0
+    for ex, cnt in enumerate(sizes):
+        rows.append(xr[r0:r0 + cnt] @ wr[ex])
+        r0 += cnt
+    yr = torch.cat(rows)
+    yr.backward(g.double())
+    tol = TOL[dtype] * 4
+    torch.testing.assert_close(y.double(), yr, atol=tol, rtol=tol)
+    torch.testing.assert_close(x.grad.double(), xr.grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(w.grad.double(), wr.grad, atol=tol * 4, rtol=tol)
+    for ex, cnt in enumerate(sizes):
+        if cnt == 0:
+            assert (w.grad[ex] == 0).all()
+    assert ran(report, "grouped_gemm") == {"npu.torch_npu.npu_grouped_matmul"}
+
+
+def routed(t, e, k, empty=(1,)):
+    logits = torch.randn(t, e)
+    logits[:, list(empty)] = -1e9
+    probs, routing_map = ref_moe.topk_router_reference(logits, k)
+    return routing_map, probs
+
+
+def test_permute_unpermute_npu_kernels(torch_npu, report):
+    torch.manual_seed(1)
+    t, e, k, h = 11, 6, 2, 8
+    routing_map, probs = routed(t, e, k, empty=(1, 4))
+    x = torch.randn(t, h).bfloat16().requires_grad_()
+    probs = probs.requires_grad_()
+    out, pprobs, row_map = op("moe_permute")(x, routing_map, probs, t * k)
+    r_out, r_probs, _ = ref_moe.permute_reference(x.detach(), routing_map, probs.detach(), t * k)
+    assert torch.equal(out, r_out) and torch.equal(pprobs.detach(), r_probs)  # Megatron's row order
+    y = op("moe_unpermute")(out, row_map, (t, h), probs)
+    expect = x.detach().double() * probs.detach().sum(-1, keepdim=True).double()
+    torch.testing.assert_close(y.double(), expect, atol=3e-2, rtol=3e-2)
+    g = torch.randn(t, h)
+    (y.float() * g).sum().backward()
+    torch.testing.assert_close(x.grad.double(), g.double() * probs.detach().sum(-1, keepdim=True).double(),
+                               atol=3e-2, rtol=3e-2)
+    expect_dp = (g.double() * x.detach().double()).sum(-1, keepdim=True).expand(t, e) * routing_map
+    torch.testing.assert_close(probs.grad.double(), expect_dp, atol=5e-2, rtol=3e-2)
+    y2 = op("moe_unpermute")(out.detach(), row_map, (t, h))  # no probs: each token's rows summed
+    torch.testing.assert_close(y2.double(), x.detach().double() * k, atol=3e-2, rtol=3e-2)
+    assert ran(report, "moe_permute") == {"npu.torch_npu.npu_moe_token_permute"}
+    assert ran(report, "moe_unpermute") == {"npu.torch_npu.npu_moe_token_unpermute"}
+
+
+def test_permute_dropped_tokens_and_fp32_fall_back_reported(torch_npu, report):
+    t, e, h = 6, 4, 4
+    routing_map, probs = routed(t, e, 2, empty=())
+    routing_map[0, routing_map[0].nonzero()[0]] = False  # token 0 lost an expert (capacity drop)
+    x = torch.randn(t, h).bfloat16()
+    n = int(routing_map.sum())
+    out, _, row_map = op("moe_permute")(x, routing_map, None, n)
+    assert torch.equal(out, ref_moe.permute_reference(x, routing_map, None, n)[0])
+    reasons = {o["fallback_reason"] for o in report.as_dict()["ops"] if o["op"] == "moe_permute"}
+    assert any("different numbers of experts" in r for r in reasons), reasons
+    y = op("moe_unpermute")(out, row_map, (t, h))  # dropped tokens: unpermute falls back too
+    torch.testing.assert_close(y.float(), ref_moe.unpermute_reference(out, row_map, (t, h)).float())
+    report.reset_op_counts()
+    op("moe_permute")(torch.randn(t, h), routing_map, None, n)
+    reasons = {o["fallback_reason"] for o in report.as_dict()["ops"] if o["op"] == "moe_permute"}
+    assert any("bf16" in r for r in reasons), reasons
+
+
+def test_kernel_and_fallback_row_maps_pair(torch_npu, report):
+    """The row map is the reference's on both paths: a kernel permute unpermuted by the reference
+    and a reference permute unpermuted by the kernel give the same tokens."""
+    t, e, k, h = 7, 5, 2, 4
+    routing_map, probs = routed(t, e, k)
+    x = torch.randn(t, h).bfloat16()
+    out, _, row_map = op("moe_permute")(x, routing_map, None, t * k)
+    r_out, _, r_row_map = ref_moe.permute_reference(x, routing_map, None, t * k)
+    assert torch.equal(row_map, r_row_map) and torch.equal(out, r_out)
+    y = op("moe_unpermute")(r_out, r_row_map, (t, h), probs)
+    torch.testing.assert_close(y.float(), ref_moe.unpermute_reference(out, row_map, (t, h), probs).float(),
+                               atol=2e-2, rtol=2e-2)
+
+
+def test_sort_chunks_and_router_on_npu(torch_npu, report):
+    x = torch.randn(10, 3)
+    out, _ = op("moe_sort_chunks")(x, torch.tensor([4, 0, 6]), torch.tensor([2, 0, 1]))
+    assert torch.equal(out, torch.cat([x[4:], x[:4]]))
+    probs, routing_map = op("moe_topk_router")(torch.randn(5, 8), 2, False, None, None, None, "sigmoid", None)
+    assert (routing_map.sum(-1) == 2).all() and torch.allclose(probs.sum(-1), torch.ones(5))
+
+
+def test_emulated_contract_rejections(torch_npu):
+    from torch_npu import EmulatedNPUError
+    x, w = torch.randn(4, 8), torch.randn(2, 8, 3)
+    with pytest.raises(EmulatedNPUError, match="covers"):
+        torch_npu.npu_grouped_matmul([x], [w], group_list=torch.tensor([1, 3]), split_item=2, group_type=0)
+    with pytest.raises(EmulatedNPUError, match="single-tensor"):
+        torch_npu.npu_grouped_matmul([x], [w], group_list=torch.tensor([1, 4]), split_item=0, group_type=0)
+    with pytest.raises(EmulatedNPUError, match="bf16|bfloat16"):
+        torch_npu.npu_moe_token_permute(torch.randn(4, 3), torch.zeros(4, 2, dtype=torch.int64))
+    with pytest.raises(EmulatedNPUError, match="int32"):
+        torch_npu.npu_moe_token_unpermute(torch.randn(4, 3).bfloat16(), torch.arange(4))
