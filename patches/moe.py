@@ -361,29 +361,35 @@ def build_validate_args(backend, original):
     return wrapper
 
 
+# Verified on megatron-core 0.15 and 0.16. core_v0.17+ reorganised the MoE layer (0.19 removed the
+# legacy GroupedMLP and grouped_gemm_util this area builds on): there these specs are reported as
+# skipped (outside their range) and Megatron's own MoE code runs.
+VERSIONS = ">=0.15.0,<0.17.0"
+
+
 def _wrap(name, build):
-    return PatchSpec(f"{UTILS}:{name}", area="moe", build=build, mode=WRAP)
+    return PatchSpec(f"{UTILS}:{name}", area="moe", build=build, mode=WRAP, versions=VERSIONS)
 
 
 SPECS = [
-    PatchSpec(f"{GG}:grouped_gemm", area="moe", build=build_package),
-    PatchSpec(f"{GG}:ops", area="moe", build=build_ops),
-    PatchSpec(f"{EXPERTS}:GroupedMLP.forward", area="moe", build=build_grouped_mlp_forward),
+    PatchSpec(f"{GG}:grouped_gemm", area="moe", versions=VERSIONS, build=build_package),
+    PatchSpec(f"{GG}:ops", area="moe", versions=VERSIONS, build=build_ops),
+    PatchSpec(f"{EXPERTS}:GroupedMLP.forward", area="moe", versions=VERSIONS, build=build_grouped_mlp_forward),
     _wrap("permute", build_permute),
     _wrap("unpermute", build_unpermute),
     _wrap("sort_chunks_by_idxs", build_sort_chunks),
     _wrap("topk_routing_with_score_function", build_topk),
     _wrap("compute_routing_scores_for_aux_loss", build_router_scores),
     _wrap("switch_load_balancing_loss_func", build_aux_loss),
-    PatchSpec(f"{UTILS}:te_general_gemm", area="moe", build=build_general_gemm, create=True),
-    PatchSpec(f"{UTILS}:maybe_move_tensor_to_cpu", area="moe", build=build_move_to_cpu,
+    PatchSpec(f"{UTILS}:te_general_gemm", area="moe", versions=VERSIONS, build=build_general_gemm, create=True),
+    PatchSpec(f"{UTILS}:maybe_move_tensor_to_cpu", area="moe", versions=VERSIONS, build=build_move_to_cpu,
               backends=("cpu", "npu")),
-    PatchSpec(f"{MAPPINGS}:_gather_along_first_dim", area="moe", build=build_gather_uneven,
+    PatchSpec(f"{MAPPINGS}:_gather_along_first_dim", area="moe", versions=VERSIONS, build=build_gather_uneven,
               mode=WRAP, backends=("cpu",)),
-    PatchSpec(f"{MAPPINGS}:_reduce_scatter_along_first_dim", area="moe",
+    PatchSpec(f"{MAPPINGS}:_reduce_scatter_along_first_dim", area="moe", versions=VERSIONS,
               build=build_reduce_scatter_uneven, mode=WRAP, backends=("cpu",)),
-    PatchSpec("megatron.training.arguments:validate_args", area="moe", build=build_validate_args,
+    PatchSpec("megatron.training.arguments:validate_args", area="moe", versions=VERSIONS, build=build_validate_args,
               mode=WRAP, optional=True),
-] + [PatchSpec(f"{UTILS}:{name}", area="moe", build=_te_name_builder(name), create=True)
+] + [PatchSpec(f"{UTILS}:{name}", area="moe", versions=VERSIONS, build=_te_name_builder(name), create=True)
      for name in ("fused_permute", "fused_permute_with_probs", "fused_unpermute",
                   "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs")]

@@ -165,6 +165,15 @@ class TestLayerSpecs(PatchContract):
             assert "residual_norm" not in res, res
 
 
+def _moe_in_range():
+    from megatron_adapt.patches import moe
+    from megatron_adapt.versions import in_range, megatron_core_version
+
+    return in_range(moe.VERSIONS, megatron_core_version())
+
+
+@pytest.mark.skipif(not _moe_in_range(), reason="the moe area's specs cover megatron-core 0.15-0.16 "
+                    "(patches/moe.py VERSIONS); on 0.17+ they are reported as skipped by range")
 class TestMoE(PatchContract):
     area = "moe"
 
@@ -205,5 +214,14 @@ def test_every_patch_area_has_a_contract_subclass():
     covered = {cls.area for cls in PatchContract.__subclasses__()}
     missing = [a for a in AREAS if a not in covered]
     assert not missing, f"patch areas without tests: {missing}"
+    from megatron_adapt.core import all_specs
+    from megatron_adapt.versions import in_range, megatron_core_version
+
+    version = megatron_core_version()
     for area in AREAS:
-        assert specs_of(area), f"area {area} has no megatron-core specs to test"
+        declared = [s for s in all_specs() if s.area == area]
+        assert declared, f"area {area} declares no specs"
+        # An area may be limited to some releases (every spec's range excludes this one: moe on
+        # 0.17+); otherwise it must have specs to probe here.
+        if any(in_range(s.versions, version) for s in declared):
+            assert specs_of(area), f"area {area} has no megatron-core specs to test"
