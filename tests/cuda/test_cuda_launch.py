@@ -6,7 +6,7 @@ import triton.language as tl
 
 from megatron_adapt.backends.cuda import _common
 
-from ._cuda_helpers import DEVICE, GPU
+from _cuda_helpers import DEVICE, GPU
 
 
 @triton.jit
