@@ -19,5 +19,6 @@ AREAS = (
     "multi_tensor",
     "grad_accum_fusion",
     "layer_specs",
+    "cuda_graphs",
     "startup_report",
 )

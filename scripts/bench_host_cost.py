@@ -182,9 +182,12 @@ def cases(dev, dt, ours):
     add("multi_tensor_scale", "ours", lambda: ours("multi_tensor_scale")(ts, dst, 0.5), [], backward=False)
     add("multi_tensor_scale", "torch _foreach_mul",
         lambda: torch._foreach_copy_(dst, torch._foreach_mul(ts, 0.5)), [], backward=False)
+    gpu_ = dev.type == "cuda"
     inp, go, mg = r(T, H, grad=False), r(T, H, grad=False), torch.zeros(H, H, device=dev)
     add("wgrad_accumulate", "ours", lambda: ours("wgrad_accumulate")(inp, go, mg), [], backward=False)
-    add("wgrad_accumulate", "torch addmm_", lambda: mg.addmm_(go.t(), inp), [], backward=False)
+    add("wgrad_accumulate", "torch addmm(out_dtype=fp32)" if gpu_ else "torch addmm_",
+        (lambda: torch.addmm(mg, go.t(), inp, out_dtype=torch.float32, out=mg)) if gpu_ else
+        (lambda: mg.addmm_(go.t(), inp)), [], backward=False)
     return out
 
 
@@ -208,7 +211,7 @@ def main():
     backend = BACKEND   # (its check() wants a GPU: the CPU smoke run skips it)
     ours = backend.op
     from megatron_adapt.backends.cuda import _common
-    direct = _common.direct_launch_enabled()
+    direct = getattr(_common, "direct_launch_enabled", lambda: False)()   # (absent before it)
 
     head = {"cpu": cpu_model(), "gpu": torch.cuda.get_device_name() if gpu else None,
             "torch": torch.__version__, "direct_launch": direct,
