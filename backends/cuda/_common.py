@@ -17,11 +17,21 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_KERNEL_DTYPES = frozenset(KERNEL_DTYPES)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids (triton.cdiv is a constexpr function: slow on the host)."""
+    return -(-a // b)
+
+
 def kernel_reason(*tensors):
     """None when Triton can serve these tensors here, else why not."""
     for t in tensors:
         if t is None:
             continue
+        if t.is_cuda and (t.dtype in _KERNEL_DTYPES or not t.is_floating_point()):
+            continue    # the common case, decided without the checks below
         if not (t.is_cuda or (interpreting() and t.device.type == "cpu")):
             return f"tensor on {t.device} (Triton needs CUDA, or TRITON_INTERPRET=1 on CPU)"
         if t.is_floating_point() and t.dtype not in KERNEL_DTYPES:

@@ -25,18 +25,14 @@ cg = pytest.importorskip("megatron.core.transformer.cuda_graphs")
 
 
 def _fail_in_norm(monkeypatch):
-    """Make the norm kernel's host code do something a capture forbids (a device synchronise;
-    on CPU, raise the error CUDA gives)."""
+    """Make the norm kernel's host code raise the error CUDA gives a forbidden call in a capture."""
     from megatron_adapt.backends.cuda import norms
     real = norms.next_pow2
 
     def next_pow2(n):
-        if GPU:
-            torch.cuda.synchronize()
-        else:
-            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
-        return real(n)
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
     monkeypatch.setattr(norms, "next_pow2", next_pow2)
+    return real
 
 
 def test_capture_failure_names_the_op(monkeypatch):
@@ -46,24 +42,53 @@ def test_capture_failure_names_the_op(monkeypatch):
     x = torch.randn(4, 64, device=DEVICE)
     w = torch.ones(64, device=DEVICE)
     rms_norm = BACKEND.op("rms_norm")
-    rms_norm(x, w, 1e-5)                       # compiled / warmed outside the capture
     _fail_in_norm(monkeypatch)
-
-    def capture():                             # stands in for Megatron's create_cudagraphs
-        if GPU:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                rms_norm(x, w, 1e-5)
-        else:
-            rms_norm(x, w, 1e-5)
     monkeypatch.setattr(cg._CudagraphGlobalRecord, "cudagraph_record", [("runner", "fwd")])
     monkeypatch.setattr(cg._CudagraphGlobalRecord, "cudagraph_created", False)
-    wrapper = build(BACKEND, None)
+    wrapper = build(BACKEND, None)             # stands in for Megatron's create_cudagraphs:
     with pytest.raises(GraphCaptureError) as info:
-        wrapper(capture, None, (), {})
+        wrapper(lambda: rms_norm(x, w, 1e-5), None, (), {})
     msg = str(info.value)
     assert "rms_norm" in msg and "backends/cuda/norms.py (_Norm.forward)" in msg, msg
     assert "cannot run inside a CUDA graph" in msg, msg
+
+
+REAL_CAPTURE = """
+import torch, pytest
+from megatron.core.transformer import cuda_graphs as cg
+from megatron_adapt.backends.cuda import BACKEND, norms
+from megatron_adapt.patches.cuda_graphs import GraphCaptureError, build
+x, w = torch.randn(4, 64, device="cuda"), torch.ones(64, device="cuda")
+rms_norm = BACKEND.op("rms_norm")
+rms_norm(x, w, 1e-5)
+real = norms.next_pow2
+def next_pow2(n):
+    torch.cuda.synchronize()          # forbidden while the stream is capturing
+    return real(n)
+norms.next_pow2 = next_pow2
+def capture():
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        rms_norm(x, w, 1e-5)
+cg._CudagraphGlobalRecord.cudagraph_record = [("runner", "fwd")]
+try:
+    build(BACKEND, None)(capture, None, (), {})
+except GraphCaptureError as e:
+    print("NAMED:", e)
+"""
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU (a real CUDA graph capture)")
+def test_real_capture_failure_names_the_op():
+    """A real capture broken by a synchronise inside the op (in a subprocess: a failed capture
+    leaves the process's CUDA RNG unusable)."""
+    env = {**os.environ, "MEGATRON_ADAPT_AUTO": "0", "MEGATRON_ADAPT_EXTERNAL": "off"}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", REAL_CAPTURE], env=env, capture_output=True,
+                          text=True, timeout=300)
+    named = [l for l in proc.stdout.splitlines() if l.startswith("NAMED:")]
+    assert named, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "rms_norm" in named[0] and "norms.py" in named[0], named[0]
 
 
 # ---- end to end: Megatron-LM's pretrain_gpt.py, graphed against eager ---------------------------
@@ -99,7 +124,8 @@ def _pretrain(tmp: Path, name: str, tp: int, extra: list) -> tuple[dict, dict]:
     cmd = [*launcher, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
            "--master-port", str(_port()), os.path.join(LM, "pretrain_gpt.py"), *MODEL,
            "--tensor-model-parallel-size", str(tp), *extra]
-    env = {**os.environ, "MEGATRON_ADAPT_BACKEND": "cuda", "MEGATRON_ADAPT_EXTERNAL": "off",
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_ADAPT_")}
+    env = {**env, "MEGATRON_ADAPT_BACKEND": "cuda", "MEGATRON_ADAPT_EXTERNAL": "off",
            "MEGATRON_ADAPT_REPORT": str(report), "CUDA_DEVICE_MAX_CONNECTIONS": "1",
            "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
     env.pop("TRITON_INTERPRET", None)

@@ -43,11 +43,12 @@ def test_direct_launch_matches_and_caches_per_specialisation():
     if not _common.direct_launch_enabled():
         pytest.skip("direct launch off (MEGATRON_ADAPT_TRITON_DIRECT=0 or Triton < 3.3)")
     _common._compiled.clear()
-    _run(300, 2.0, False)            # compiles through JITFunction.run, caches
+    _run(320, 2.0, False)            # compiles through JITFunction.run, caches
     assert len(_common._compiled) == 1
     for _ in range(3):
-        _run(300, 2.0, False)        # direct launches of the cached binary
+        _run(320, 2.0, False)        # direct launches of the cached binary
     _run(301, 0.5, False)            # 301: not divisible by 16 -> another specialisation
+    _run(300, 0.5, False)            # 300: neither (Triton compiles the same binary): no new entry
     _run(320, 1.5, True)             # another constexpr
     _run(320, 1.5, True, torch.bfloat16)                # another dtype
     _run(320, 1.5, True, torch.float32, offset=1)       # a pointer not 16-byte aligned
