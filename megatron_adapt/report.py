@@ -38,6 +38,7 @@ _op_fallbacks: dict[tuple[str, str], str] = {}   # (op, impl) -> first reason
 _strict = False
 _context: dict = {}
 _selections: list[dict] = []               # providers' choices: op, inputs, chosen, how, timings
+_graphs: list[dict] = []                   # CUDA graphs built: by whom, how many, ops captured
 
 
 def set_context(*, strict: bool, **info) -> None:
@@ -73,6 +74,11 @@ def selected(op: str, inputs: str, chosen: str, how: str, notes: dict) -> None:
     _selections.append({"op": op, "inputs": inputs, "chosen": chosen, "how": how, "candidates": notes})
 
 
+def graphs_built(impl: str, graphs: int, seconds: float, captured_ops: dict) -> None:
+    """CUDA graphs were captured (`impl`); `captured_ops`: op [impl] -> calls made while capturing."""
+    _graphs.append({"impl": impl, "graphs": graphs, "seconds": seconds, "captured_ops": captured_ops})
+
+
 @contextlib.contextmanager
 def uncounted():
     """Calls made inside (a providers measurement) leave the op counts as they were."""
@@ -95,6 +101,7 @@ def reset_op_counts() -> None:
     _op_counts.clear()
     _op_fallbacks.clear()
     _selections.clear()
+    _graphs.clear()
 
 
 def as_dict() -> dict:
@@ -109,6 +116,7 @@ def as_dict() -> dict:
         ],
         "selections": list(_selections),
         "targets_not_found": [r.target for r in _patch_records.values() if r.reason.startswith(NOT_FOUND)],
+        "cuda_graphs": list(_graphs),
     }
 
 
@@ -141,6 +149,10 @@ def format_table(data: dict | None = None) -> str:
     for sel in data.get("selections", []):
         others = ", ".join(f"{k}={v}" for k, v in sel["candidates"].items())
         lines.append(f"  chosen {sel['chosen']:<32} for {sel['op']} [{sel['inputs']}]: {sel['how']}; {others}")
+    for g in data.get("cuda_graphs", []):
+        ops = ", ".join(f"{k} x{v}" for k, v in g["captured_ops"].items()) or "none"
+        lines.append(f"CUDA graphs: {g['graphs']} built by {g['impl']} in {g['seconds']} s; "
+                     f"backend ops captured: {ops}")
     return "\n".join(lines)
 
 

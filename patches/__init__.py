@@ -20,5 +20,6 @@ AREAS = (
     "grad_accum_fusion",
     "moe",
     "layer_specs",
+    "cuda_graphs",
     "startup_report",
 )

@@ -4,6 +4,10 @@
 #               (--no-rope-fusion --no-persist-layer-norm --no-masked-softmax-fusion
 #               --no-gradient-accumulation-fusion) and the dataset helpers built with Megatron's Makefile;
 #   (b) adapt:  megatron-adapt-run, Megatron's default arguments (transformer_engine impl, every fusion on).
+#   (c) adapt_graphs: (b) plus Megatron's own CUDA graphs (--cuda-graph-impl local; default scope:
+#               each transformer layer's forward and backward captured once, replayed after).
+# Per run also: the GPU's busy fraction (nvidia-smi dmon SM %, median over the steady samples) and
+# the host's CPU model (lscpu), since a step that waits on the host shows there.
 # Model: 0.95B llama-like (16 layers, hidden 2048, ffn 5632, 16 heads, seq 2048, micro-batch 4, global
 # batch 16, vocab 32000, bf16, RMSNorm, SwiGLU, RoPE, untied embeddings). Prints ms/iteration
 # (median of iterations WARMUP+1..ITERS), TFLOP/s per GPU (Megatron's --log-throughput count), MFU
@@ -11,7 +15,7 @@
 # nvidia-smi's peak used) and both loss curves with their largest difference.
 #
 # Usage: MEGATRON_LM_PATH=/path/to/Megatron-LM scripts/bench_e2e.sh OUTDIR
-# Env: ITERS [50] WARMUP [10] PEAK_TFLOPS [989: H100/H200 SXM dense bf16] RUNS ["stock adapt"]
+# Env: ITERS [50] WARMUP [10] PEAK_TFLOPS [989: H100/H200 SXM dense bf16] RUNS ["stock adapt adapt_graphs"]
 #      EXTRA_ARGS [""]: appended to both runs (e.g. "--attention-dropout 0 --hidden-dropout 0": with
 #      dropout on, the two runs draw different dropout masks -- Megatron's RNG tracker in (a), the
 #      fused attention kernel's own Philox stream in (b), as with TE -- so their curves part ways
@@ -19,7 +23,7 @@
 set -euo pipefail
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1)}"
 OUTDIR=${1:?usage: scripts/bench_e2e.sh OUTDIR}; mkdir -p "$OUTDIR"
-ITERS=${ITERS:-50}; WARMUP=${WARMUP:-10}; PEAK_TFLOPS=${PEAK_TFLOPS:-989}; RUNS=${RUNS:-"stock adapt"}
+ITERS=${ITERS:-50}; WARMUP=${WARMUP:-10}; PEAK_TFLOPS=${PEAK_TFLOPS:-989}; RUNS=${RUNS:-"stock adapt adapt_graphs"}
 HERE=$(cd "$(dirname "$0")" && pwd)
 export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONUNBUFFERED=1
 
@@ -40,14 +44,18 @@ STOCK_FLAGS=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm
 if command -v megatron-adapt-run >/dev/null; then ADAPT=(megatron-adapt-run); else ADAPT=(python3 -m megatron_adapt.launcher); fi
 TORCHRUN=(python3 -m torch.distributed.run --nproc-per-node 1 --master-port 29561)
 
-peak_smi() {  # sample nvidia-smi's used memory while $1 runs; print the peak (MiB)
+lscpu | sed -n 's/^Model name: *//p' | head -1 > "$OUTDIR/host_cpu.txt" || true
+nvidia-smi --query-gpu=name --format=csv,noheader -i 0 > "$OUTDIR/gpu.txt" 2>/dev/null || true
+
+peak_smi() {  # sample nvidia-smi's used memory (and SM busy %, dmon) while $1 runs; print the peak (MiB)
     local log=$1; shift; local peak=0
+    nvidia-smi dmon -s u -d 1 -i 0 > "$log.dmon" 2>/dev/null & local dmon=$!
     "$@" > "$log" 2>&1 & local pid=$!
     while kill -0 $pid 2>/dev/null; do
         local used; used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 2>/dev/null | head -1 || echo 0)
         (( used > peak )) && peak=$used; sleep 0.5
     done
-    wait $pid; local rc=$?; echo "$peak" > "$log.smi_peak_mib"; return $rc
+    wait $pid; local rc=$?; kill $dmon 2>/dev/null || true; echo "$peak" > "$log.smi_peak_mib"; return $rc
 }
 
 for run in $RUNS; do
@@ -59,6 +67,10 @@ for run in $RUNS; do
                     "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" "${STOCK_FLAGS[@]}" ;;
         adapt)  peak_smi "$OUTDIR/adapt.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_report.json" \
                     "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" ;;
+        adapt_graphs)
+                peak_smi "$OUTDIR/adapt_graphs.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_graphs_report.json" \
+                    "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" \
+                    --cuda-graph-impl local ;;
         *) echo "unknown run $run" >&2; exit 2 ;;
     esac
 done

@@ -1,4 +1,5 @@
-"""Summarise scripts/bench_e2e.sh logs: ms/iteration, TFLOP/s per GPU, MFU, peak memory, loss curves."""
+"""Summarise scripts/bench_e2e.sh logs: ms/iteration, TFLOP/s per GPU, MFU, peak memory, GPU busy
+fraction (nvidia-smi dmon SM %), the host CPU model, loss curves."""
 import argparse
 import json
 import re
@@ -9,6 +10,24 @@ ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(m
                   r"(?:.*?throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+))?.*?lm loss: ([0-9.E+-]+)")
 MEM = re.compile(r"memory \(MB\) \| allocated: ([0-9.]+) \| max allocated: ([0-9.]+) \| "
                  r"reserved: ([0-9.]+) \| max reserved: ([0-9.]+)")
+
+
+def gpu_busy(dmon: Path):
+    """Median SM busy % over the steady part of a run: the samples between the first and the last
+    one >= 30 % (start-up, compilation and exit excluded), their first quarter dropped (warm-up,
+    graph capture). None without samples."""
+    if not dmon.exists():
+        return None
+    sm = []
+    for line in dmon.read_text(errors="replace").splitlines():
+        parts = line.split()
+        if parts and not line.startswith("#") and len(parts) > 1 and parts[1].isdigit():
+            sm.append(int(parts[1]))
+    busy = [i for i, v in enumerate(sm) if v >= 30]
+    if len(busy) < 4:
+        return None
+    window = sm[busy[0]:busy[-1] + 1]
+    return statistics.median(window[len(window) // 4:]) / 100.0
 
 
 def parse(log: Path, warmup: int, peak: float) -> dict:
@@ -28,6 +47,8 @@ def parse(log: Path, warmup: int, peak: float) -> dict:
         "max_allocated_gb": max(float(m[1]) for m in mem) / 1024 if mem else None,
         "max_reserved_gb": max(float(m[3]) for m in mem) / 1024 if mem else None,
         "smi_peak_gb": int(smi.read_text()) / 1024 if smi.exists() else None,
+        "gpu_busy": gpu_busy(Path(f"{log}.dmon")),
+        "cuda_graphs": bool(re.search(r"built \d+ cuda graph|\d+ CUDA graphs built", text)),
         "losses": {i: rows[i][2] for i in sorted(rows)},
     }
 
@@ -41,10 +62,19 @@ def main():
     a = ap.parse_args()
     out = Path(a.outdir)
     res = {r: parse(out / f"{r}.log", a.warmup, a.peak_tflops) for r in a.runs}
-    print(f"{'run':8} {'ms/iter':>9} {'TFLOP/s/GPU':>12} {'MFU':>7} {'max alloc GB':>13} {'max resv GB':>12} {'smi peak GB':>12}")
+    host = (out / "host_cpu.txt").read_text().strip() if (out / "host_cpu.txt").exists() else "unknown"
+    gpu = (out / "gpu.txt").read_text().strip() if (out / "gpu.txt").exists() else "unknown"
+    print(f"GPU: {gpu} | host CPU: {host}")
+    base = res.get("stock", {}).get("ms_per_iter")
+    print(f"{'run':13} {'ms/iter':>9} {'vs stock':>8} {'TFLOP/s/GPU':>12} {'MFU':>7} {'GPU busy':>9} {'graphs':>6} "
+          f"{'max alloc GB':>13} {'max resv GB':>12} {'smi peak GB':>12}")
     for r, v in res.items():
         f = lambda x, fmt: format(x, fmt) if x is not None else "-"
-        print(f"{r:8} {v['ms_per_iter']:9.1f} {f(v['tflops_per_gpu'], '12.1f')} {f(v['mfu'] and 100 * v['mfu'], '6.1f')}% "
+        v["speedup_vs_stock"] = base / v["ms_per_iter"] if base else None
+        v["host_cpu"], v["gpu"] = host, gpu
+        print(f"{r:13} {v['ms_per_iter']:9.1f} {f(v['speedup_vs_stock'], '7.2f')}x {f(v['tflops_per_gpu'], '12.1f')} "
+              f"{f(v['mfu'] and 100 * v['mfu'], '6.1f')}% {f(v['gpu_busy'] and 100 * v['gpu_busy'], '8.0f')}% "
+              f"{'yes' if v['cuda_graphs'] else 'no':>6} "
               f"{f(v['max_allocated_gb'], '13.2f')} {f(v['max_reserved_gb'], '12.2f')} {f(v['smi_peak_gb'], '12.2f')}")
     if {"stock", "adapt"} <= set(res):
         s, b = res["stock"], res["adapt"]

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from megatron_adapt import report
 
-from ._common import fallback, kernel_reason
+from ._common import cdiv, launch, fallback, kernel_reason
 from . import providers
 
 BLOCK = 1024
@@ -76,7 +76,7 @@ class _SwiGLU(torch.autograd.Function):
         b = bias.contiguous() if bias is not None else None
         y = torch.empty((x2.size(0), f), dtype=x.dtype, device=x.device)
         if y.numel():
-            _swiglu_fwd[(x2.size(0), triton.cdiv(f, BLOCK))](x2, b if b is not None else x2, y, f,
+            launch(_swiglu_fwd, (x2.size(0), cdiv(f, BLOCK)), x2, b if b is not None else x2, y, f,
                                                              HAS_BIAS=b is not None, BLOCK=BLOCK)
         ctx.save_for_backward(x2, b)
         ctx.shape = shape
@@ -89,7 +89,7 @@ class _SwiGLU(torch.autograd.Function):
         dy2 = dy.reshape(-1, f).contiguous()
         dx = torch.empty_like(x2)
         if dx.numel():
-            _swiglu_bwd[(x2.size(0), triton.cdiv(f, BLOCK))](x2, b if b is not None else x2, dy2, dx, f,
+            launch(_swiglu_bwd, (x2.size(0), cdiv(f, BLOCK)), x2, b if b is not None else x2, dy2, dx, f,
                                                              HAS_BIAS=b is not None, BLOCK=BLOCK)
         db = dx.sum(0, dtype=torch.float32).to(b.dtype) if b is not None and ctx.needs_input_grad[1] else None
         return dx.view(ctx.shape), db
@@ -103,7 +103,7 @@ class _BiasGeLU(torch.autograd.Function):
         b = bias.contiguous()
         out = torch.empty_like(y2)
         if out.numel():
-            _gelu[(y2.size(0), triton.cdiv(h, BLOCK))](y2, b, y2, out, h, BACKWARD=False, BLOCK=BLOCK)
+            launch(_gelu, (y2.size(0), cdiv(h, BLOCK)), y2, b, y2, out, h, BACKWARD=False, BLOCK=BLOCK)
         ctx.save_for_backward(y2, b)
         ctx.shape = y.shape
         return out.view(y.shape)
@@ -115,7 +115,7 @@ class _BiasGeLU(torch.autograd.Function):
         d2 = dout.reshape(-1, h).contiguous()
         dy = torch.empty_like(y2)
         if dy.numel():
-            _gelu[(y2.size(0), triton.cdiv(h, BLOCK))](y2, b, d2, dy, h, BACKWARD=True, BLOCK=BLOCK)
+            launch(_gelu, (y2.size(0), cdiv(h, BLOCK)), y2, b, d2, dy, h, BACKWARD=True, BLOCK=BLOCK)
         db = dy.sum(0, dtype=torch.float32).to(b.dtype) if ctx.needs_input_grad[0] else None
         return db, dy.view(ctx.shape)
 

@@ -24,6 +24,49 @@ except ImportError:  # torch < 2.3
 _paths: dict = {}
 
 
+def _flag_fns():
+    """[(getter, setter)] of torch's SDPA backend switches and the wanted value of each, as
+    sdpa_kernel(PRIORITY) sets them (None where this torch lacks the private functions)."""
+    try:
+        from torch.nn.attention import _backend_names
+        out = []
+        for name, val in _backend_names.items():
+            out.append((getattr(torch._C, f"_get_{name}_sdp_enabled"),
+                        getattr(torch._C, f"_set_sdp_use_{name}"), getattr(SDPBackend, val) in PRIORITY))
+        torch._C._get_sdp_priority_order, torch._C._set_sdp_priority_order  # noqa: B018 (present?)
+        return out
+    except Exception:
+        return None
+
+
+_FLAGS = _flag_fns() if sdpa_kernel is not None else None
+_ORDER = [int(b) for b in PRIORITY] if sdpa_kernel is not None else []
+
+
+def _sdpa(q, k, v, **kw):
+    """F.scaled_dot_product_attention under our backend priority, as `with _context():` but with
+    the switches set and restored through torch's C functions directly (the context manager
+    costs tens of microseconds of Python a call), and only when they differ from ours."""
+    if _FLAGS is None:
+        with _context():
+            return F.scaled_dot_product_attention(q, k, v, **kw)
+    prev = [get() for get, _, _ in _FLAGS]
+    order = torch._C._get_sdp_priority_order()
+    want = _ORDER + [b for b in order if b not in _ORDER]
+    same = order == want and all(p == w for p, (_, _, w) in zip(prev, _FLAGS))
+    if same:
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+    for _, put, w in _FLAGS:
+        put(w)
+    torch._C._set_sdp_priority_order(want)
+    try:
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+    finally:
+        for (_, put, _), p in zip(_FLAGS, prev):
+            put(p)
+        torch._C._set_sdp_priority_order(order)
+
+
 def _context():
     if sdpa_kernel is None:
         import contextlib
@@ -76,6 +119,5 @@ def attention(q, k, v, attn_mask=None, causal=False, scale=None, dropout_p=0.0, 
                          f"(dtype {q.dtype}, head dim {q.size(-1)}, mask {mask is not None})")
     else:
         report.ran("attention", impl)
-    with _context():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p,
-                                              is_causal=use_causal, scale=scale, enable_gqa=gqa)
+    return _sdpa(q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=use_causal, scale=scale,
+                 enable_gqa=gqa)

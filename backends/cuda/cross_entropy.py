@@ -23,7 +23,7 @@ import triton.language as tl
 
 from megatron_adapt import report
 
-from ._common import fallback, kernel_reason, next_pow2
+from ._common import cdiv, launch, fallback, kernel_reason, next_pow2
 from . import providers
 
 IMPL = "cuda.triton.online_softmax"
@@ -157,19 +157,19 @@ def _group_info(tp_group):
 def _split(rows, part, block, device):
     """Pieces per row: 1 when the rows alone fill the GPU a few times over, else enough pieces
     (each at least one chunk) for about SPLIT_TARGET programs per SM."""
-    chunks = triton.cdiv(part, block)
+    chunks = cdiv(part, block)
     if SPLIT is not None:
         split = max(1, min(chunks, SPLIT))
-        piece = triton.cdiv(chunks, split) * block
-        return triton.cdiv(part, piece), piece
+        piece = cdiv(chunks, split) * block
+        return cdiv(part, piece), piece
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         want = sms * 8 * SPLIT_TARGET
     else:
         want = 8  # interpreter: exercise the split path on small inputs
-    split = max(1, min(chunks, triton.cdiv(want, max(rows, 1))))
-    piece = triton.cdiv(chunks, split) * block
-    return triton.cdiv(part, piece), piece
+    split = max(1, min(chunks, cdiv(want, max(rows, 1))))
+    piece = cdiv(chunks, split) * block
+    return cdiv(part, piece), piece
 
 
 class FusedVocabParallelCrossEntropy(torch.autograd.Function):
@@ -194,18 +194,18 @@ class FusedVocabParallelCrossEntropy(torch.autograd.Function):
         lse = torch.empty_like(loss)
         if final and split == 1:
             if rows:
-                _ce_fwd[(rows, 1)](x, t, loss, loss, lse, rows, part, start, piece, smoothing,
+                launch(_ce_fwd, (rows, 1), x, t, loss, loss, lse, rows, part, start, piece, smoothing,
                                    BLOCK=block, SMOOTH=smooth, FINAL=True, num_warps=warps)
         else:
             nk = 3 if smooth else 2
             partial = torch.empty((nk, split, rows), dtype=torch.float32, device=x.device)
             stats = torch.empty((4 if smooth else 3, rows), dtype=torch.float32, device=x.device)
             if rows:
-                _ce_fwd[(rows, split)](x, t, partial, partial, partial, rows, part, start, piece,
+                launch(_ce_fwd, (rows, split), x, t, partial, partial, partial, rows, part, start, piece,
                                        smoothing, BLOCK=block, SMOOTH=smooth, FINAL=False,
                                        num_warps=warps)
                 br = 64
-                _ce_combine[(triton.cdiv(rows, br),)](x, t, partial, stats, loss, lse, rows, part,
+                launch(_ce_combine, (cdiv(rows, br),), x, t, partial, stats, loss, lse, rows, part,
                                                       start, split, smoothing, SMOOTH=smooth,
                                                       FINAL=final, BR=br, BS=next_pow2(split),
                                                       num_warps=4)
@@ -233,7 +233,7 @@ class FusedVocabParallelCrossEntropy(torch.autograd.Function):
         if rows:
             block = min(BWD_CHUNK, next_pow2(part))
             split, piece = _split(rows, part, block, x.device)
-            _ce_bwd[(rows, split)](x, dx, t, lse, go, part, start, piece, 1.0 - smoothing,
+            launch(_ce_bwd, (rows, split), x, dx, t, lse, go, part, start, piece, 1.0 - smoothing,
                                    smoothing / vocab, BLOCK=block, EVICT=BWD_EVICT,
                                    num_warps=BWD_WARPS if block >= 2048 else 4)
         return dx.view(shape), None, None, None

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from megatron_adapt import report
 
-from ._common import fallback, kernel_reason, next_pow2, num_programs, warps_for
+from ._common import cdiv, launch, fallback, kernel_reason, next_pow2, num_programs, warps_for
 from . import providers
 
 MAX_FUSED = 16384   # widest row kept whole in registers
@@ -344,11 +344,11 @@ class _Norm(torch.autograd.Function):
             if n <= MAX_FUSED:
                 block = next_pow2(n)
                 tile, warps = _fwd_cfg(block, is_rms)
-                _norm_fwd[(triton.cdiv(rows, tile),)](x2, w, bb, y, mean, rstd, rows, n, eps,
+                launch(_norm_fwd, (cdiv(rows, tile),), x2, w, bb, y, mean, rstd, rows, n, eps,
                                                       IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK=block,
                                                       ROWS=tile, num_warps=warps)
             else:
-                _norm_fwd_loop[(rows,)](x2, w, bb, y, mean, rstd, n, eps, IS_RMS=is_rms,
+                launch(_norm_fwd_loop, (rows,), x2, w, bb, y, mean, rstd, n, eps, IS_RMS=is_rms,
                                         HAS_BIAS=has_bias, BLOCK=CHUNK, num_warps=8)
         ctx.save_for_backward(x2, w, mean, rstd)
         ctx.is_rms, ctx.has_bias, ctx.shape = is_rms, b is not None, shape
@@ -376,22 +376,23 @@ class _Norm(torch.autograd.Function):
             block = next_pow2(n)
             tile, warps, prefetch = _bwd_cfg(block, ctx.is_rms)
         key = (ctx.is_rms, ctx.has_bias, block, loop, tile, warps, prefetch, x2.dtype, w.dtype, dev)
-        g = num_programs(dev, triton.cdiv(rows, tile), per_sm=_RESIDENT.get(key, 2))
+        g = num_programs(dev, cdiv(rows, tile), per_sm=_RESIDENT.get(key, 2))
         alloc = torch.zeros if loop else torch.empty
-        dw_part = alloc((g, n), dtype=torch.float32, device=dev)
-        db_part = alloc((g, n), dtype=torch.float32, device=dev) if ctx.has_bias else dw_part
+        # dw and db partials in one allocation (rows [0] and [1] of [2, g, n] with a bias)
+        part = alloc((2 if ctx.has_bias else 1, g, n), dtype=torch.float32, device=dev)
+        dw_part, db_part = part[0], part[-1]
         if loop:
-            k = _norm_bwd_loop[(g,)](x2, w, dy2, dx, mean, rstd, dw_part, db_part, rows, n, g,
+            k = launch(_norm_bwd_loop, (g,), x2, w, dy2, dx, mean, rstd, dw_part, db_part, rows, n, g,
                                      IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BLOCK=block,
                                      num_warps=warps)
         else:
-            k = _norm_bwd[(g,)](x2, w, dy2, dx, mean, rstd, dw_part, db_part, rows, n, g,
+            k = launch(_norm_bwd, (g,), x2, w, dy2, dx, mean, rstd, dw_part, db_part, rows, n, g,
                                 IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BLOCK=block, ROWS=tile,
                                 PREFETCH=prefetch, num_warps=warps)
         if key not in _RESIDENT:
             _RESIDENT[key] = _resident_programs(k, warps)
         bn = 32
-        _sum_partials[(triton.cdiv(n, bn), 2 if ctx.has_bias else 1)](
+        launch(_sum_partials, (cdiv(n, bn), 2 if ctx.has_bias else 1),
             dw_part, db_part, dw, db if db is not None else dw, g, n,
             HAS_BIAS=ctx.has_bias, BG=64, BN=bn, num_warps=4)
         return dx.view(ctx.shape), dw, db, None, None
@@ -401,19 +402,19 @@ def _split_backward(ctx, x2, w, dy2, mean, rstd, dx, dw, db):
     """Wide rows: dx one row a program, then dw/db as a column reduction over row groups (x and
     dy read twice, but no program holds a row's weight-gradient partials next to the row)."""
     rows, n = x2.shape
-    _norm_bwd_dx[(rows,)](x2, w, dy2, dx, mean, rstd, n, IS_RMS=ctx.is_rms,
+    launch(_norm_bwd_dx, (rows,), x2, w, dy2, dx, mean, rstd, n, IS_RMS=ctx.is_rms,
                           BLOCK=next_pow2(n), num_warps=SPLIT_DX_WARPS)
     br, bn = SPLIT_TILE
-    col_blocks = triton.cdiv(n, bn)
-    groups = max(1, min(triton.cdiv(rows, br), num_programs(x2.device, rows, 4) // col_blocks + 1))
-    rows_per = triton.cdiv(triton.cdiv(rows, groups), br) * br
-    groups = triton.cdiv(rows, rows_per)
-    dw_part = torch.empty((groups, n), dtype=torch.float32, device=x2.device)
-    db_part = torch.empty_like(dw_part) if ctx.has_bias else dw_part
-    _norm_bwd_dwdb[(col_blocks, groups)](x2, dy2, mean, rstd, dw_part, db_part, rows, n, rows_per,
+    col_blocks = cdiv(n, bn)
+    groups = max(1, min(cdiv(rows, br), num_programs(x2.device, rows, 4) // col_blocks + 1))
+    rows_per = cdiv(cdiv(rows, groups), br) * br
+    groups = cdiv(rows, rows_per)
+    part = torch.empty((2 if ctx.has_bias else 1, groups, n), dtype=torch.float32, device=x2.device)
+    dw_part, db_part = part[0], part[-1]
+    launch(_norm_bwd_dwdb, (col_blocks, groups), x2, dy2, mean, rstd, dw_part, db_part, rows, n, rows_per,
                                          IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BR=br, BN=bn,
                                          num_warps=4)
-    _sum_partials[(triton.cdiv(n, 32), 2 if ctx.has_bias else 1)](
+    launch(_sum_partials, (cdiv(n, 32), 2 if ctx.has_bias else 1),
         dw_part, db_part, dw, db if db is not None else dw, groups, n,
         HAS_BIAS=ctx.has_bias, BG=64, BN=32, num_warps=4)
     return dx.view(ctx.shape), dw, db, None, None

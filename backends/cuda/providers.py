@@ -332,13 +332,13 @@ def _dy(fn, inputs):
 
 def choose(op, ours, args, mode):
     """The candidate that serves this call (None: ours), deciding on the signature's first call."""
+    key = _signature(op, args)
+    if key in _decisions:      # the hot path: decided on this signature's first call
+        return _decisions[key]
     cands = [c for c in CANDIDATES.get(op, ()) if (mode == "auto" or c.library == mode)
              and installed(c.module)]
     if not cands:
         return None
-    key = _signature(op, args)
-    if key in _decisions:
-        return _decisions[key]
     if sum(k[0] == op for k in _decisions) >= MAX_SIGNATURES:
         if op not in _over_cap:   # said once; every rank of a TP group sees the same shapes
             _over_cap.add(op)

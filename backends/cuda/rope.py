@@ -13,7 +13,7 @@ import triton.language as tl
 
 from megatron_adapt import report
 
-from ._common import fallback, kernel_reason, next_pow2
+from ._common import cdiv, launch, fallback, kernel_reason, next_pow2
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def _launch(x, f, interleaved, mscale, backward):
     bd = next_pow2(d)
     bh = max(1, min(next_pow2(h), max(1, 4096 // bd)))
     if x.numel():
-        _rope_kernel[(s * b, triton.cdiv(h, bh))](
+        launch(_rope_kernel, (s * b, cdiv(h, bh)),
             x, f, y, b, h, d, r, x.stride(0), x.stride(1), x.stride(2), mscale,
             INTERLEAVED=interleaved, BACKWARD=backward, BH=bh, BD=bd,
             num_warps=4 if bh * bd >= 2048 else 2)

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from megatron_adapt import report
 
-from ._common import fallback, kernel_reason, next_pow2, warps_for
+from ._common import launch, fallback, kernel_reason, next_pow2, warps_for
 
 MAX_FUSED = 16384
 CHUNK = 4096
@@ -146,7 +146,7 @@ class _Softmax(torch.autograd.Function):
         block, loop, warps = _cfg(sk)
         rows = b * np_ * sq
         if rows:
-            _softmax_fwd[(rows,)](x, y, mk if mk is not None else x, np_, sq, sk, scale, *strides,
+            launch(_softmax_fwd, (rows,), x, y, mk if mk is not None else x, np_, sq, sk, scale, *strides,
                                   left, right, HAS_MASK=mk is not None, MODE=mode, BLOCK=block,
                                   LOOP=loop, num_warps=warps)
         ctx.save_for_backward(y, mk)
@@ -163,7 +163,7 @@ class _Softmax(torch.autograd.Function):
         block, loop, warps = _cfg(sk)
         rows = b * np_ * sq
         if rows:
-            _softmax_bwd[(rows,)](y, dy, dx, mk if mk is not None else y, np_, sq, sk, scale, *strides,
+            launch(_softmax_bwd, (rows,), y, dy, dx, mk if mk is not None else y, np_, sq, sk, scale, *strides,
                                   left, right, HAS_MASK=mk is not None, MODE=mode, BLOCK=block,
                                   LOOP=loop, num_warps=warps)
         return dx, None, None, None, None, None

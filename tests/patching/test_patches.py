@@ -190,6 +190,23 @@ class TestMoE(PatchContract):
         assert res["router_fp32"] == {"dtype": "torch.float32", "matches": True, "grads_match": True}, res
 
 
+class TestCudaGraphs(PatchContract):
+    area = "cuda_graphs"
+
+    def test_reached_from_the_schedules_and_a_no_op_without_recorded_graphs(self):
+        """The schedules call create_cudagraphs by the name they imported: that name is ours,
+        and with no graph recorded (no --cuda-graph-impl local) it does nothing and reports none."""
+        proc = run_python(
+            "import megatron_adapt; megatron_adapt.apply('cpu')\n"
+            "from megatron.core.pipeline_parallel import schedules\n"
+            "from megatron.core.transformer import cuda_graphs as cg\n"
+            "assert schedules.create_cudagraphs is cg.create_cudagraphs\n"
+            "assert 'megatron_adapt' in repr(type(cg.create_cudagraphs)) or hasattr(cg.create_cudagraphs, '__wrapped__'), repr(cg.create_cudagraphs)\n"
+            "assert schedules.create_cudagraphs() is None\n"
+            "from megatron_adapt import report; assert report(as_json=True)['cuda_graphs'] == []\n")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 class TestStartupReport(PatchContract):
     area = "startup_report"
 

@@ -1,0 +1,100 @@
+"""Megatron's own CUDA graphs (--cuda-graph-impl local): say in the report that they were built
+and which backend ops ran inside them; name the op when one cannot be captured.
+
+`megatron.core.transformer.cuda_graphs.create_cudagraphs` runs at the end of every schedule
+function; on the first step it captures every recorded layer's forward and backward graph (the
+layers ran eagerly once to record the order, and the backend's run-time choices among libraries
+were made then: providers never time anything inside a capture). The wrapper counts the graphs
+and the op calls made while capturing (report: cuda_graphs). If a capture raises, the error is
+raised again naming the innermost megatron-adapt backend frame it came through (module, function
+and the ops that module serves), so a kernel that cannot be captured is named, not guessed.
+"""
+import os
+import sys
+import time
+
+from megatron_adapt import report
+from megatron_adapt.spec import WRAP, PatchSpec
+
+def _backend_frame(exc):
+    """Where in megatron-adapt's backends exc was raised: (innermost frame of a module that
+    serves ops, as 'backends/<backend>/<module>.py (function)'; the ops that module serves;
+    the innermost backend frame of any module), or None. Chained causes are searched too."""
+    from megatron_adapt import backends
+    from megatron_adapt.backends import STANDARD_LAYOUT
+
+    served = {}
+    for op, path in STANDARD_LAYOUT.items():
+        served.setdefault(path.split(":")[0][1:], []).append(op)
+    root = os.path.dirname(os.path.abspath(backends.__file__)) + os.sep
+    op_frame, inner, seen, e = None, None, set(), exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            code = tb.tb_frame.f_code
+            path = os.path.abspath(code.co_filename)
+            if path.startswith(root) and os.sep in path[len(root):]:   # backends/<backend>/<module>.py
+                module = os.path.splitext(os.path.basename(path))[0]
+                where = (f"backends/{path[len(root):].replace(os.sep, '/')} "
+                         f"({getattr(code, 'co_qualname', code.co_name)})")
+                inner = where
+                if module in served:
+                    op_frame = (where, sorted(served[module]))
+            tb = tb.tb_next
+        e = e.__cause__ or e.__context__
+    if inner is None:
+        return None
+    where, ops = op_frame or (inner, [])
+    return where, ops, inner
+
+
+class GraphCaptureError(RuntimeError):
+    """A CUDA graph capture failed inside a megatron-adapt backend op."""
+
+
+def build(backend, original):
+    def create_cudagraphs(wrapped, instance, args, kwargs):
+        from megatron.core.transformer import cuda_graphs as cg
+
+        record = getattr(cg, "_CudagraphGlobalRecord", None)
+        pending = 0 if record is None or record.cudagraph_created else len(record.cudagraph_record)
+        if not pending:
+            return wrapped(*args, **kwargs)
+        before = report.op_counts()
+        t0 = time.perf_counter()
+        try:
+            result = wrapped(*args, **kwargs)
+        except Exception as exc:
+            where = _backend_frame(exc)
+            if where is None:
+                raise
+            site, ops, inner = where
+            raise GraphCaptureError(
+                f"CUDA graph capture (--cuda-graph-impl local) failed in megatron-adapt's "
+                f"{backend.name} backend op {' / '.join(ops) or '?'}, at {site}"
+                f"{'' if inner == site else f' (innermost: {inner})'}: {type(exc).__name__}: {exc}. "
+                f"That op cannot run inside a CUDA graph: disable its patch area "
+                f"(MEGATRON_ADAPT_DISABLE) or run without --cuda-graph-impl.") from exc
+        after = report.op_counts()
+        captured = {}
+        for op, impls in after.items():
+            for impl, n in impls.items():
+                d = n - before.get(op, {}).get(impl, 0)
+                if d:
+                    captured[f"{op} [{impl}]"] = d
+        seconds = round(time.perf_counter() - t0, 3)
+        report.graphs_built("megatron local (create_cudagraphs)", pending, seconds, captured)
+        if report._rank() == 0:
+            print(f"megatron-adapt: {pending} CUDA graphs built by Megatron (local) in {seconds} s, "
+                  f"{sum(captured.values())} backend op calls captured in them: "
+                  + (", ".join(f"{k} x{v}" for k, v in captured.items()) or "none"), file=sys.stderr,
+                  flush=True)
+        return result
+    return create_cudagraphs
+
+
+SPECS = [
+    PatchSpec("megatron.core.transformer.cuda_graphs:create_cudagraphs", area="cuda_graphs",
+              mode=WRAP, build=build),
+]
