@@ -27,6 +27,7 @@ setup(
         "test": ["pytest>=7", "megatron-core>=0.15.0,<0.20", "triton", "numpy", "liger-kernel"] + MEGATRON_LM_RUNTIME,
         "cuda": ["triton>=3.0"],
         "liger": ["liger-kernel"],  # candidates the cuda backend uses where they measure faster
+        "flash_attn": ["flash-attn-4[cu13]>=4.0.0b36"],  # FlashAttention-4 (CuTe DSL), same rule
         "npu": [],  # torch_npu comes from Ascend's own index, matched to the CANN toolkit
     },
     entry_points={

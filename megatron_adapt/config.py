@@ -16,7 +16,7 @@ ENV_QUIET = "MEGATRON_ADAPT_QUIET"  # "1": no start-up table on rank 0
 ENV_ATTENTION_LAYOUT = "MEGATRON_ADAPT_ATTENTION_LAYOUT"  # sbhd (SBH) | bshd (BSH)
 ENV_ALLOW_UNTESTED = "MEGATRON_ADAPT_ALLOW_UNTESTED_MEGATRON"  # "1": try a megatron-core newer than SUPPORTED
 ENV_EXTERNAL = "MEGATRON_ADAPT_EXTERNAL"  # auto | off | liger | apex (backends/cuda/providers.py)
-EXTERNAL_MODES = ("auto", "off", "liger", "apex")
+EXTERNAL_MODES = ("auto", "off", "liger", "apex", "flash_attn")
 ATTENTION_LAYOUTS = {"sbhd": "sbhd", "sbh": "sbhd", "bshd": "bshd", "bsh": "bshd"}
 
 
@@ -54,7 +54,7 @@ class Config:
     report_path: str | None = None
     quiet: bool = False
     attention_layout: str = "sbhd"  # memory order the attention kernel reads q/k/v in
-    external: str = "auto"          # other libraries' kernels: auto (where faster) | off | liger | apex
+    external: str = "auto"          # other libraries' kernels: auto (where faster) | off | liger | apex | flash_attn
     allow_untested: bool = False    # a megatron-core newer than SUPPORTED warns instead of failing
 
     @classmethod

@@ -61,8 +61,8 @@ def build(backend, original):
         else:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         with rng:
-            out = attention(q, k, v, attn_mask=mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                            window_size=window)
+            # positional: the op contract's order (keyword binding costs host time per call)
+            out = attention(q, k, v, mask, causal, scale, dropout_p, window)
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
     return forward

@@ -345,6 +345,11 @@ def bench_attention(be, args, dev):
                     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hkv != h)
                 torch.autograd.grad(out, [q, k, v], dy)
             record("attention", shape, name, run, flops=flops)
+        from megatron_adapt.backends.cuda import providers
+        if providers.installed("flash_attn.cute"):
+            record("attention", shape, "flash_attn_4",
+                   fwd_bwd(lambda: providers._fa4_attention(q, k, v, None, True), [q, k, v], dy),
+                   flops=flops, note="flash-attn-4 (CuTe DSL)")
         record("attention", shape, "megatron_stock",
                fwd_bwd(lambda: megatron_attention(q, k, v, d ** -0.5), [q, k, v], dy), flops=flops,
                note="local DotProductAttention: baddbmm + torch softmax + bmm")

@@ -4,7 +4,9 @@ SDPA is asked for cuDNN, then flash, then memory-efficient, then math (sdpa_kern
 set_priority): on Hopper cuDNN's fused attention is the fastest fwd+bwd kernel PyTorch ships.
 Causal without a mask goes as is_causal (no mask tensor). Sliding windows and padding /
 arbitrary masks become one bool mask (flash cannot take a mask: cuDNN or memory-efficient serve
-it). GQA goes as enable_gqa: k/v are never repeated. Which backend will serve a call is probed
+it). GQA goes as enable_gqa: k/v are never repeated. Where flash-attn-4 is installed, calls it
+can serve (no dropout, no mask tensor, Hopper or newer) take it for a signature only where it
+measures faster and agrees (providers.py). Which backend will serve a call is probed
 once per signature with torch.backends.cuda.can_use_* and reported; the math path (it
 materialises the scores) is reported as a fallback.
 """
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 
 from megatron_adapt import report
 from megatron_adapt.backends.cpu.softmax import build_mask
+from megatron_adapt.backends.cuda import providers
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -106,6 +109,7 @@ def expected_path(q, k, v, mask, dropout_p, causal, gqa):
     return path
 
 
+@providers.selectable("attention")   # FlashAttention-4 where installed and measured faster
 def attention(q, k, v, attn_mask=None, causal=False, scale=None, dropout_p=0.0, window_size=None):
     sq, sk = q.size(-2), k.size(-2)
     use_causal = causal and attn_mask is None and window_size is None and sq == sk

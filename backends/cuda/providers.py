@@ -1,4 +1,5 @@
-"""Other libraries' kernels (Liger-Kernel, apex) for an op, used only where they measure faster.
+"""Other libraries' kernels (Liger-Kernel, apex, FlashAttention-4) for an op, used only where they
+measure faster.
 
 With one of them installed, the first call of an op with a new input signature (shapes, dtypes,
 which inputs need gradients) is a small tournament on the GPU: ours and each candidate that can
@@ -13,7 +14,7 @@ the implementation that ran.
 MEGATRON_ADAPT_EXTERNAL (config.external):
   auto   (default) measure as above when a candidate library is importable;
   off    ours only;
-  liger, apex   that library wherever it can serve, without measuring (ours elsewhere).
+  liger, apex, flash_attn   that library wherever it can serve, without measuring (ours elsewhere).
 
 Transformer Engine is not a candidate here: when it is installed, Megatron builds its layers
 from TE's modules and megatron-adapt's layer-spec, optimizer and wgrad patches step aside
@@ -90,6 +91,35 @@ def _apex_layer_norm(x, weight, bias, eps):
     return fused_layer_norm_affine(x, weight, bias, weight.shape, float(eps))
 
 
+def _fa4_serves(q, k, v, attn_mask=None, causal=False, scale=None, dropout_p=0.0, window_size=None):
+    """FlashAttention-4 (flash-attn-4, CuTe DSL, compiled at run time) has no dropout and no mask
+    tensor; its causal diagonal is bottom-right aligned, SDPA's top-left: equal only when sq == sk."""
+    if dropout_p:
+        return "attention dropout (FlashAttention-4 has none)"
+    if attn_mask is not None or window_size is not None:
+        return "an explicit mask or sliding window"
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype} (bf16 / fp16 only)"
+    if q.size(-1) % 8 or q.size(-1) > 256 or v.size(-1) != q.size(-1):
+        return f"head dim {q.size(-1)}"
+    if q.size(1) % k.size(1):
+        return f"{q.size(1)} query heads over {k.size(1)} key/value heads"
+    if causal and q.size(-2) != k.size(-2):
+        return "causal with sq != sk (diagonal alignment differs)"
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] < 9:
+        return "needs a Hopper or newer GPU"
+    return None
+
+
+def _fa4_attention(q, k, v, attn_mask=None, causal=False, scale=None, dropout_p=0.0, window_size=None):
+    from flash_attn.cute import flash_attn_func
+    # our op's [b, h, s, d] views -> FA's [b, s, h, d] (views: no copy; FA takes the strides)
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                          softmax_scale=scale, causal=causal)
+    out = out[0] if isinstance(out, tuple) else out
+    return out.transpose(1, 2)
+
+
 def _ce_serves(logits, target, label_smoothing=0.0, tp_group=None):
     if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
         return "vocab split over tensor parallelism (the candidate needs the whole vocabulary)"
@@ -121,8 +151,12 @@ CANDIDATES: dict[str, list[Candidate]] = {
         Candidate("liger", "liger.LigerSiLUMulFunction", "liger_kernel",
                   lambda x: None if x.size(-1) % 2 == 0 else "odd last dim", _liger_swiglu),
     ],
+    "attention": [
+        Candidate("flash_attn", "flash_attn_4.flash_attn_func", "flash_attn.cute", _fa4_serves,
+                  _fa4_attention),
+    ],
 }
-LIBRARIES = ("liger", "apex")
+LIBRARIES = ("liger", "apex", "flash_attn")
 
 
 @functools.lru_cache(maxsize=None)
@@ -390,8 +424,10 @@ def selectable(op):
 
         @functools.wraps(ours)
         def call(*args, **kwargs):
-            if kwargs:
-                args = tuple(params.bind(*args, **kwargs).args)
+            if kwargs:   # every argument positional, defaults included (args stops at a gap)
+                bound = params.bind(*args, **kwargs)
+                bound.apply_defaults()
+                args = tuple(bound.args)
             mode = _mode()
             if mode != "off":
                 if mode in LIBRARIES and not library_installed(mode):

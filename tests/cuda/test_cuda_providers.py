@@ -281,3 +281,104 @@ def test_ranks_of_the_replica_group_choose_together():
     assert local0 < 20 < local1, (local0, local1)     # rank 0 alone would have chosen it
     assert not won0 and not won1
     assert won0b and won1b
+
+
+# ---- FlashAttention-4 (flash-attn-4) as the attention candidate ---------------------------------
+
+def _attn_ref(q, k, v, causal):
+    """fp32 reference in our op's [b, h, s, d] layout, GQA by repetition."""
+    qf, kf, vf = (t.detach().float() for t in (q, k, v))
+    r = qf.size(1) // kf.size(1)
+    kf, vf = kf.repeat_interleave(r, 1), vf.repeat_interleave(r, 1)
+    return torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, is_causal=causal)
+
+
+@pytest.fixture
+def fake_fa4(monkeypatch):
+    """flash_attn.cute.flash_attn_func's contract: q/k/v [b, s, h, d] (any strides, last dim
+    contiguous), returns (out [b, s, h, d], lse) -- computed in torch, checking the layout."""
+    calls = []
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, **kw):
+        assert q.dim() == 4 and q.stride(-1) == 1 and k.shape[2] <= q.shape[2], (q.shape, k.shape)
+        calls.append((tuple(q.shape), causal))
+        out = _attn_ref(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal)
+        return out.to(q.dtype).transpose(1, 2), None
+    mod = types.ModuleType("flash_attn.cute")
+    mod.flash_attn_func = flash_attn_func
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", mod)
+    providers.reset()
+    return calls
+
+
+def test_fa4_serves_only_what_it_computes_exactly():
+    q = torch.randn(2, 8, 16, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 16, 64, dtype=torch.bfloat16)
+    serves = providers._fa4_serves
+    assert "dropout" in serves(q, k, k, None, True, None, 0.1)
+    assert "mask" in serves(q, k, k, torch.zeros(16, 16, dtype=torch.bool), False)
+    assert "sliding window" in serves(q, k, k, None, True, None, 0.0, (4, 0))
+    assert "dtype" in serves(q.float(), k.float(), k.float(), None, True)
+    assert "head dim" in serves(q[..., :60], k[..., :60], k[..., :60], None, True)
+    assert "query heads" in serves(q[:, :7], k[:, :2], k[:, :2], None, True)
+    assert "sq != sk" in serves(q, k[:, :, :8], k[:, :, :8], None, True)
+    assert "GPU" in serves(q, k, k, None, True)   # everything else fine: the device decides
+
+
+def test_fa4_layout_and_gqa_match_the_reference(fake_fa4):
+    # distinct b, h, s so that a transposed layout would fail the shape or the values
+    q = torch.randn(3, 8, 20, 64, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 3, 2, 20, 64, dtype=torch.bfloat16).unbind(0)
+    sbhd = torch.randn(20, 3, 8, 64, dtype=torch.bfloat16).permute(1, 2, 0, 3)  # Megatron's view
+    for qq in (q, sbhd):
+        out = providers._fa4_attention(qq, k, v, None, True, None, 0.0, None)
+        assert out.shape == qq.shape
+        assert_close(out, _attn_ref(qq, k, v, True), torch.bfloat16, "fa4 layout")
+    assert fake_fa4 == [((3, 20, 8, 64), True)] * 2
+
+
+def test_fa4_forced_on_cpu_keeps_ours_with_every_keyword_argument(monkeypatch, fake_fa4):
+    """Forced flash_attn cannot serve CPU tensors: ours runs, and the keyword arguments the
+    wrapper binds to positions keep their values (causal=True after an omitted attn_mask)."""
+    from megatron_adapt.backends.cuda.attention import attention
+    monkeypatch.setenv("MEGATRON_ADAPT_EXTERNAL", "flash_attn")
+    q, k, v = torch.randn(3, 1, 4, 12, 16).unbind(0)
+    out = attention(q, k, v, causal=True)
+    assert_close(out, _attn_ref(q, k, v, True), torch.float32, "causal kept")
+    (sel,) = report.as_dict()["selections"]
+    assert sel["chosen"] == "ours" and "cannot serve" in str(sel["candidates"]), sel
+    assert fake_fa4 == []
+
+
+fa4_installed = pytest.mark.skipif(not providers.installed("flash_attn.cute"),
+                                   reason="flash-attn-4 is not installed")
+
+
+@fa4_installed
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] < 9,
+                    reason="FlashAttention-4 needs a Hopper or newer GPU")
+@pytest.mark.parametrize("hkv", [8, 2])
+def test_fa4_measured_on_the_gpu_and_correct(monkeypatch, hkv):
+    from megatron_adapt.backends.cuda import BACKEND
+    monkeypatch.setenv("MEGATRON_ADAPT_EXTERNAL", "auto")
+    fn = BACKEND.op("attention")
+    b, h, s, d = 2, 8, 1024, 128
+    q = torch.randn(s, b, h, d, device=DEVICE, dtype=torch.bfloat16).permute(1, 2, 0, 3).requires_grad_()
+    k, v = (torch.randn(b, hkv, s, d, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    out = fn(q, k, v, None, True, None, 0.0, None)
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    r = qr.size(1) // kr.size(1)
+    ref = torch.nn.functional.scaled_dot_product_attention(qr, kr.repeat_interleave(r, 1),
+                                                           vr.repeat_interleave(r, 1), is_causal=True)
+    assert_close(out, ref, torch.bfloat16, "attention")
+    dy = torch.randn_like(ref)
+    for g, gr in zip(torch.autograd.grad(out, (q, k, v), dy.to(out.dtype)),
+                     torch.autograd.grad(ref, (qr, kr, vr), dy)):
+        assert_close(g, gr, torch.bfloat16, "attention grad")
+    (sel,) = report.as_dict()["selections"]
+    assert sel["how"].startswith("measured") and "flash_attn_4.flash_attn_func" in sel["candidates"], sel
+    print(f"\nattention hkv={hkv}: {sel['chosen']} {sel['candidates']}")
+    # with dropout it cannot serve: ours, and said so
+    fn(q, k, v, None, True, None, 0.1, None)
+    assert "dropout" in str(report.as_dict()["selections"][-1]["candidates"])
