@@ -17,6 +17,7 @@ megatron_adapt/lambada.py and docs/evaluation.md). Context parallelism is not su
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -72,9 +73,14 @@ def main():
     from megatron.training.checkpointing import load_checkpoint
     from megatron.training.initialize import initialize_megatron
 
-    initialize_megatron(extra_args_provider=add_lambada_args,
-                        args_defaults={"no_load_rng": True, "no_load_optim": True},
-                        get_embedding_ranks=pretrain_gpt.get_embedding_ranks)
+    parsing = dict(extra_args_provider=add_lambada_args,
+                   args_defaults={"no_load_rng": True, "no_load_optim": True})
+    if "extra_args_provider" in inspect.signature(initialize_megatron).parameters:
+        initialize_megatron(**parsing, get_embedding_ranks=pretrain_gpt.get_embedding_ranks)
+    else:   # core_v0.18 and later parse the arguments before initialize_megatron, as pretrain_gpt.py does
+        from megatron.training.arguments import parse_and_validate_args
+        parse_and_validate_args(**parsing)
+        initialize_megatron(get_embedding_ranks=pretrain_gpt.get_embedding_ranks)
     args = get_args()
     if not args.load:
         raise SystemExit("evaluate_lambada: --load CHECKPOINT_DIR is required")

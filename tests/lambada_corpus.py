@@ -1,8 +1,9 @@
 """Test data for the LAMBADA evaluation, made here because no data set can be downloaded:
 
 * a synthetic corpus of cloze passages in LAMBADA's jsonl format (``{"text": ...}`` per line) whose
-  last word is recoverable from the context (it names an object mentioned earlier), so that a tiny
-  model can learn something;
+  last word is recoverable from the context: it names an object mentioned earlier, and each place
+  holds one of two objects only, so that a tiny model trained briefly learns part of it (the place
+  narrows the choice to two) before it learns to copy;
 * a byte-level BPE tokenizer in GPT-2's file format (``vocab.json`` + ``merges.txt``), trained on
   that corpus by the classic BPE procedure, loadable by Megatron's GPT2BPETokenizer;
 * ``encode``: GPT-2's BPE encoding of a text with those files (the reference the unit tests compare
@@ -43,8 +44,10 @@ def make_passages(n: int, seed: int) -> list[str]:
     out = []
     for _ in range(n):
         n1, n2 = rng.sample(NAMES, 2)
-        o1, o2 = rng.sample(OBJECTS, 2)
-        out.append(rng.choice(TEMPLATES).format(n=n1, m=n2, p=rng.choice(PLACES), o=o1, o2=o2))
+        i = rng.randrange(len(PLACES))
+        o1 = OBJECTS[2 * i + rng.randrange(2)]
+        o2 = rng.choice([o for o in OBJECTS if o != o1])
+        out.append(rng.choice(TEMPLATES).format(n=n1, m=n2, p=PLACES[i], o=o1, o2=o2))
     return out
 
 
