@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import sys
 
 import torch
 
@@ -61,6 +59,13 @@ def greedy_hits(logits, labels, tp_group, tp_rank: int):
                        torch.full_like(local_arg, none, dtype=torch.long))
     torch.distributed.all_reduce(cand, op=torch.distributed.ReduceOp.MIN, group=tp_group)
     return cand == labels
+
+
+def _backend_name() -> str:
+    from megatron_adapt.core import active_backend
+
+    backend = active_backend()
+    return backend.name if backend is not None else "none (megatron-adapt not applied)"
 
 
 def main():
@@ -149,7 +154,7 @@ def main():
     scores = lambada.Scores(int(correct), int(n_examples), nll_sum, int(n_tok), extra={
         "truncated_contexts": sum(e.truncated for e in examples), "iteration": iteration,
         "tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
-        "dp": dp_size, "backend": os.environ.get("MEGATRON_ADAPT_BACKEND", "auto"),
+        "dp": dp_size, "backend": _backend_name(),
         "load": args.load, "data": args.lambada_data})
     if first:
         print(f"LAMBADA strict last-word accuracy: {scores.accuracy:.4f} ({scores.correct}/"

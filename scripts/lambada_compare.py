@@ -10,12 +10,13 @@ is identical (same correct count) and its perplexity within 1e-3 (relative; --pp
 first run's.
 
     MEGATRON_LM_PATH=/path/to/Megatron-LM python scripts/lambada_compare.py --workdir DIR \\
-        [--configs cpu:tp1,cpu:tp2,cpu:pp2,npu:tp1,cuda:tp1] [--iters 200] [--ppl-rtol 1e-3] [--out results.json]
+        [--configs cpu:tp1,cpu:tp2,cpu:pp2,npu:tp1,cuda:tp1] [--iters 800] [--ppl-rtol 1e-3] [--out results.json]
 
 A configuration is BACKEND:LAYOUT[:OPTION...]: LAYOUT tp1 | tp2 | pp2 | dp2 | tp2pp2, options bsh
 (--shape_order BSH), bf16 / fp16. `npu` runs the npu backend against the torch_npu EMULATION
 (tests/npu/emulation on PYTHONPATH: no Ascend NPU here). cpu and npu runs hide GPUs
-(CUDA_VISIBLE_DEVICES=""). The first configuration is the reference. Exit status 1 on a mismatch.
+(CUDA_VISIBLE_DEVICES=""). The first configuration is the reference. Exit status 1 on a mismatch
+(unless --report-only).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ import lambada_corpus  # noqa: E402
 EMULATION = REPO / "tests" / "npu" / "emulation"
 LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 2), "pp2": (1, 2, 2), "dp2": (1, 1, 2), "tp2pp2": (2, 2, 4)}
 PPL_RTOL = 1e-3
-TRAIN = dict(NPROC="1", ITERS="200", MBS="4", GBS="16", LR="3e-3")
+TRAIN = dict(NPROC="1", ITERS="800", MBS="4", GBS="16", LR="3e-3")
 
 
 def _env(backend: str, **extra) -> dict:
@@ -144,6 +145,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=int(TRAIN["ITERS"]))
     p.add_argument("--ppl-rtol", type=float, default=PPL_RTOL,
                    help="allowed relative perplexity difference from the first configuration")
+    p.add_argument("--report-only", action="store_true",
+                   help="print and record the differences but exit 0 (bf16/fp16: see docs/evaluation.md)")
     p.add_argument("--out", type=Path, default=None, help="results JSON (default WORKDIR/results.json)")
     a = p.parse_args(argv)
     lm = os.environ.get("MEGATRON_LM_PATH")
@@ -177,7 +180,7 @@ def main(argv=None) -> int:
           f"(accuracy identical, perplexity within {a.ppl_rtol} relative; largest "
           f"{max(r['ppl_rel_diff'] for r in results):.2e})")
     print(f"results: {out}")
-    return 1 if problems else 0
+    return 1 if problems and not a.report_only else 0
 
 
 if __name__ == "__main__":
