@@ -110,7 +110,7 @@ def main():
     batches = lambada.shard_batches(examples, args.seq_length, args.micro_batch_size, pad_id,
                                     dp_rank, dp_size)
     forward_backward = get_forward_backward_func()
-    totals = torch.zeros(4, dtype=torch.float64, device=device)   # correct, examples, tokens, nll
+    totals = torch.zeros(4, dtype=torch.float64)   # correct, examples, tokens, NLL sum (host)
     positions = torch.arange(args.seq_length, device=device).unsqueeze(0).expand(
         args.micro_batch_size, -1)
 
@@ -118,16 +118,16 @@ def main():
         batch = next(data_iterator)
         tokens = torch.tensor(batch.tokens, dtype=torch.long, device=device)
         labels = torch.tensor(batch.labels, dtype=torch.long, device=device)
-        mask = torch.tensor(batch.loss_mask, dtype=torch.long, device=device)
+        mask = torch.tensor(batch.loss_mask, dtype=torch.long)   # scoring runs on the host
         output = model_chunk(tokens, positions, None)
 
         def loss_func(logits):
             logits = logits.float()
             hits = greedy_hits(logits, labels, tp_group, tp_rank)
             nll = tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), labels)
-            correct, nll_sum, n_tok = lambada.score_rows(hits, nll, mask, batch.rows)
-            totals.add_(torch.tensor([correct, batch.rows, n_tok, nll_sum], dtype=torch.float64,
-                                     device=device))
+            correct, nll_sum, n_tok = lambada.score_rows(hits.cpu(), nll.detach().cpu(), mask,
+                                                         batch.rows)
+            totals.add_(torch.tensor([correct, batch.rows, n_tok, nll_sum], dtype=torch.float64))
             return nll.sum() * 0, {}
 
         return output, loss_func
@@ -146,9 +146,10 @@ def main():
 
     # The last pipeline stage holds the scores (the same on every TP rank); sum over the stages and
     # over the data-parallel ranks.
-    torch.distributed.all_reduce(totals, group=ps.get_pipeline_model_parallel_group())
-    torch.distributed.all_reduce(totals, group=ps.get_data_parallel_group())
-    correct, n_examples, n_tok, nll_sum = totals.tolist()
+    reduced = totals.to(device)
+    torch.distributed.all_reduce(reduced, group=ps.get_pipeline_model_parallel_group())
+    torch.distributed.all_reduce(reduced, group=ps.get_data_parallel_group())
+    correct, n_examples, n_tok, nll_sum = reduced.tolist()
     if int(n_examples) != len(examples):
         raise RuntimeError(f"scored {int(n_examples)} passages, expected {len(examples)}")
     scores = lambada.Scores(int(correct), int(n_examples), nll_sum, int(n_tok), extra={
