@@ -17,8 +17,11 @@ megatron_adapt/lambada.py and docs/evaluation.md). Context parallelism is not su
 """
 from __future__ import annotations
 
+import argparse
 import inspect
 import json
+import os
+import sys
 
 import torch
 
@@ -61,6 +64,22 @@ def greedy_hits(logits, labels, tp_group, tp_rank: int):
     return cand == labels
 
 
+def _check_load(argv) -> None:
+    """Fail clearly before Megatron starts when --load is missing or holds no checkpoint (Megatron
+    would otherwise fall back to the command line's model arguments and fail on those)."""
+    from megatron.training.checkpointing import get_checkpoint_tracker_filename
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--load")
+    load = pre.parse_known_args(argv)[0].load
+    if not load:
+        raise SystemExit("evaluate_lambada: --load CHECKPOINT_DIR is required")
+    tracker = get_checkpoint_tracker_filename(load)
+    if not os.path.isfile(tracker):
+        raise SystemExit(f"evaluate_lambada: --load {load} is not a Megatron checkpoint directory "
+                         f"(no {os.path.basename(tracker)}; give the directory pretrain_gpt.py --save wrote)")
+
+
 def _backend_name() -> str:
     from megatron_adapt.core import active_backend
 
@@ -78,6 +97,7 @@ def main():
     from megatron.training.checkpointing import load_checkpoint
     from megatron.training.initialize import initialize_megatron
 
+    _check_load(sys.argv[1:])
     parsing = dict(extra_args_provider=add_lambada_args,
                    args_defaults={"no_load_rng": True, "no_load_optim": True})
     if "extra_args_provider" in inspect.signature(initialize_megatron).parameters:
@@ -87,8 +107,6 @@ def main():
         parse_and_validate_args(**parsing)
         initialize_megatron(get_embedding_ranks=pretrain_gpt.get_embedding_ranks)
     args = get_args()
-    if not args.load:
-        raise SystemExit("evaluate_lambada: --load CHECKPOINT_DIR is required")
     if args.context_parallel_size != 1:
         raise SystemExit("evaluate_lambada: context parallelism is not supported")
     args.exit_on_missing_checkpoint = True   # never evaluate a randomly initialised model
