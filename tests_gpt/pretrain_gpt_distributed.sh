@@ -27,6 +27,10 @@
 #   LLAMA [0]  1: --swiglu --position-embedding-type rope --normalization RMSNorm
 #                 --untie-embeddings-and-output-weights --disable-bias-linear
 #   NLAYERS [2] HIDDEN [64] HEADS [4] SEQ [64] VOCAB [128] MBS [2] GBS [8] ITERS [10] LR [1e-3]
+#   DATA_PATH [unset: --mock-data]  a Megatron indexed dataset prefix (tools/preprocess_data.py's
+#                       output, e.g. /d/train_text_document) trained on instead of mock data
+#   VOCAB_FILE, MERGE_FILE [unset: NullTokenizer of VOCAB tokens]  GPT-2 BPE files: --tokenizer-type
+#                       GPT2BPETokenizer (Megatron's legacy tokenizer system, no transformers needed)
 #   SAVE, LOAD [unset]  checkpoint directories (--save / --load); SAVE_INTERVAL [ITERS]
 #   OVERRIDE_SCHEDULER [auto]  1: --override-opt_param-scheduler. auto: on when LOAD is set, because
 #                       Megatron asserts the checkpointed scheduler equals the new one and its
@@ -83,13 +87,21 @@ ARGS=(
     --num-layers "$NLAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS"
     --seq-length "$SEQ" --max-position-embeddings "$SEQ"
     --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS"
-    --mock-data --tokenizer-type NullTokenizer --vocab-size "$VOCAB" --split 949,50,1
+    --split 949,50,1
     --attention-backend "$ATTENTION_BACKEND"
     --lr "$LR" --min-lr "$(python3 -c "print($LR / 10)")" --lr-decay-style cosine
     --weight-decay 0.01 --clip-grad 1.0 --seed 1234
     --log-interval 1 --eval-interval 1000 --eval-iters 1
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
 )
+if [[ -n "${DATA_PATH:-}" ]]; then ARGS+=(--data-path "$DATA_PATH"); else ARGS+=(--mock-data); fi
+if [[ -n "${VOCAB_FILE:-}" || -n "${MERGE_FILE:-}" ]]; then
+    ARGS+=(--tokenizer-type GPT2BPETokenizer --legacy-tokenizer
+           --vocab-file "${VOCAB_FILE:?VOCAB_FILE and MERGE_FILE go together}"
+           --merge-file "${MERGE_FILE:?VOCAB_FILE and MERGE_FILE go together}")
+else
+    ARGS+=(--tokenizer-type NullTokenizer --vocab-size "$VOCAB")
+fi
 [[ "$SP" == 1 ]] && ARGS+=(--sequence-parallel)
 [[ "$DISTOPT" == 1 ]] && ARGS+=(--use-distributed-optimizer)
 case "$PRECISION" in
