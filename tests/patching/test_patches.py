@@ -4,8 +4,6 @@ import json
 import os
 from functools import lru_cache
 
-import pytest
-
 from adapt_testutil import run_python
 from contract import PatchContract, specs_of
 
@@ -238,7 +236,7 @@ def test_every_patch_area_has_a_contract_subclass():
     for area in AREAS:
         declared = [s for s in all_specs() if s.area == area]
         assert declared, f"area {area} declares no specs"
-        # An area may be limited to some releases (every spec's range excludes this one: moe on
-        # 0.17+); otherwise it must have specs to probe here.
+        # An area may be limited to some releases (every spec's range excluding this one);
+        # otherwise it must have specs to probe here.
         if any(in_range(s.versions, version) for s in declared):
             assert specs_of(area), f"area {area} has no megatron-core specs to test"
