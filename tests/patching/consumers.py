@@ -379,6 +379,46 @@ def _expert_weights(experts):
     return stacked(experts.linear_fc1), stacked(experts.linear_fc2)
 
 
+def _grouped_experts_with_bias(config, sizes):
+    """TEGroupedMLP with add_bias_linear (core_v0.17+) against a per-expert fp64 loop: fc1's bias
+    is added per expert inside the grouped linear, fc2's returned and scaled by the probs."""
+    import dataclasses
+
+    import torch.nn.functional as F
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    cfg = dataclasses.replace(config, add_bias_linear=True, bias_dropout_fusion=False,
+                              moe_permute_fusion=False, moe_router_fusion=False)
+    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=5, moe_grouped_gemm=True)
+    experts = GPTModel(cfg, spec, vocab_size=64, max_sequence_length=16).decoder.layers[0].mlp.experts
+    fc1, fc2 = experts.linear_fc1, experts.linear_fc2
+    with torch.no_grad():
+        for i in range(5):
+            getattr(fc1, f"bias{i}").normal_()
+            getattr(fc2, f"bias{i}").normal_()
+    x = torch.randn(int(sizes.sum()), 32, requires_grad=True)
+    probs = torch.rand(x.shape[0], requires_grad=True)
+    y, _ = experts(x, sizes, probs)
+    g = torch.randn_like(y)
+    y.backward(g)
+    p64 = {n: p.detach().double().requires_grad_() for n, p in experts.named_parameters()}
+    xr, pr = x.detach().double().requires_grad_(), probs.detach().double().requires_grad_()
+    rows, r0 = [], 0
+    for e, n in enumerate(sizes.tolist()):
+        h = xr[r0:r0 + n] @ p64[f"linear_fc1.weight{e}"].t() + p64[f"linear_fc1.bias{e}"]
+        a, b = h.chunk(2, dim=-1)
+        p = pr[r0:r0 + n, None]
+        rows.append((F.silu(a) * b * p) @ p64[f"linear_fc2.weight{e}"].t() + p64[f"linear_fc2.bias{e}"] * p)
+        r0 += n
+    ref = torch.cat(rows)
+    ref.backward(g.double())
+    named = dict(experts.named_parameters())
+    return {"matches": close(y, ref, 1e-5),
+            "grads_match": close(x.grad, xr.grad, 1e-5) and close(probs.grad, pr.grad, 1e-5)
+            and all(close(named[n].grad, p64[n].grad, 1e-5) for n in named),
+            "bias_grads_nonzero": bool(named["linear_fc2.bias0"].grad.abs().sum() > 0)}
+
+
 @check("moe")
 def _():
     """Megatron's MoELayer from the default TE layer spec (TE absent): 5 experts, top-2, grouped
@@ -430,6 +470,9 @@ def _():
                                   and close(expert_w2("grad"), w2.grad, 1e-5))
     out["empty_expert_grad_zero"] = bool((expert_w1("grad")[[1, 4]] == 0).all()
                                          and (expert_w2("grad")[[1, 4]] == 0).all())
+
+    if not hasattr(experts, "weight1"):  # 0.17+: the grouped linears' biases (fc1 added, fc2 returned)
+        out["experts_with_bias"] = _grouped_experts_with_bias(config, sizes)
 
     # the whole layer: fused flags (backend ops) against Megatron's unfused code, same weights
     hidden = torch.randn(8, 2, 32)

@@ -176,6 +176,8 @@ class TestMoE(PatchContract):
             assert res["experts_class"] == "TEGroupedMLP", res
             assert res["grouped_linears"] == ["AdaptColumnParallelGroupedLinear",
                                               "AdaptRowParallelGroupedLinear"], res
+            assert res["experts_with_bias"] == {"matches": True, "grads_match": True,
+                                                "bias_grads_nonzero": True}, res
         else:
             assert res["experts_class"] == "GroupedMLP", res
         assert res["grouped_gemm_calls"] == 2, res  # fc1 and fc2, fp32 (stock 0.16: bf16 only)
