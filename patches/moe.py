@@ -22,6 +22,16 @@
   reduce-scatter (TP + EP + sequence parallelism) run over gloo.
 - `validate_args`' compute-capability check for --moe-grouped-gemm reads (8, 0) while it runs
   on a device reporting less (the check guards the grouped_gemm package's CUTLASS kernels).
+
+core_v0.17+ removed the legacy GroupedMLP and grouped_gemm_util: its experts are TEGroupedMLP, which
+takes a grouped-linear builder pair (TE's TEColumnParallelGroupedLinear / TERowParallelGroupedLinear,
+None without TE). There `LocalSpecProvider.grouped_mlp_modules(True)` (also what patches/layer_specs'
+provider behind the default TE spec inherits) gives TEGroupedMLP on `AdaptColumnParallelGroupedLinear`
+/ `AdaptRowParallelGroupedLinear`: per-expert parameters named as TE's (`weight0`, ... `bias0`, ...),
+one call of the backend's `grouped_gemm` op per linear, checkpoints sharded per expert as TE's (and
+SequentialMLP's). `permute` returns 5 values and `unpermute` takes `pad_offsets` from 0.17;
+`te_general_gemm` is bound (None without TE) and Megatron's torch path serves the router, so that
+spec ends at 0.17.
 The `transformer_engine` package is not faked: moe_utils.HAVE_TE stays False. See docs/moe.md.
 """
 import inspect
@@ -108,6 +118,155 @@ def build_grouped_mlp_forward(backend, original):
     return forward
 
 
+# --------------------------------------------------------------------- core_v0.17+: grouped linears
+_linears: dict = {}
+
+
+def grouped_linear_classes(backend):
+    """(column, row) grouped-linear builders for core_v0.17+'s TEGroupedMLP on the backend's
+    grouped_gemm op, with the constructor, forward and checkpoint layout of TE's
+    TEColumnParallelGroupedLinear / TERowParallelGroupedLinear (no FP8, no delayed wgrad)."""
+    if backend.name not in _linears:
+        _linears[backend.name] = _grouped_linear_classes(backend)
+    return _linears[backend.name]
+
+
+def _grouped_linear_classes(backend):
+    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.layers import _initialize_affine_weight_gpu
+    from megatron.core.tensor_parallel.utils import divide
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    grouped_gemm = backend.op("grouped_gemm")
+
+    class AdaptGroupedLinear(torch.nn.Module):
+        """`num_gemms` linears (one per local expert), weights `weight{i}` [out, in] as TE's
+        GroupedLinear; forward(x, m_splits) runs all of them as one backend grouped GEMM."""
+
+        parallel_mode = None  # "column" / "row" in the subclasses
+
+        def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
+                     skip_bias_add, is_expert=True, tp_comm_buffer_name=None, pg_collection=None,
+                     name=None):
+            super().__init__()
+            if not is_expert:
+                raise ValueError("grouped linears serve MoE experts only (is_expert=True), as TE's")
+            for flag in ("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"):
+                if getattr(config, flag, False):
+                    raise NotImplementedError(
+                        f"{flag}=True needs TE's grouped linear with a split weight-gradient pass; "
+                        "megatron-adapt's grouped linear computes weight gradients in the backward")
+            if config.fp8 or getattr(config, "fp4", None):
+                raise NotImplementedError("FP8/FP4 expert GEMMs are Transformer Engine's")
+            self.config, self.num_gemms = config, num_gemms
+            if pg_collection is None:
+                pg_collection = ProcessGroupCollection.use_mpu_process_groups(
+                    required_pgs=["ep", "expt_tp", "expt_dp"])
+            self._pg_collection, self._tp_group = pg_collection, pg_collection.expt_tp
+            tp = self._tp_group.size() if self._tp_group is not None else 1
+            if self.parallel_mode == "column":
+                output_size = divide(output_size, tp)
+            else:
+                input_size = divide(input_size, tp)
+            self.in_features, self.out_features = input_size, output_size
+            self.use_bias, self.skip_bias_add = bias, skip_bias_add
+            use_expert_pgs = (config.expert_model_parallel_size > 1
+                              or config.expert_tensor_parallel_size != config.tensor_model_parallel_size)
+            device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+            axis = 0 if self.parallel_mode == "column" else 1
+            for i in range(num_gemms):
+                w = torch.nn.Parameter(torch.empty(output_size, input_size, device=device,
+                                                   dtype=config.params_dtype))
+                if config.perform_initialization and not config.use_cpu_initialization:
+                    _initialize_affine_weight_gpu(w, init_method, partition_dim=axis, is_expert=True)
+                else:  # on the host: the CPU generator (Megatron's own CPU init forks no device RNG)
+                    w.tensor_model_parallel, w.partition_dim, w.partition_stride = True, axis, 1
+                    if config.perform_initialization:
+                        init_method(w.data)
+                w.allreduce = not use_expert_pgs
+                self.register_parameter(f"weight{i}", w)
+                if bias:
+                    b = torch.nn.Parameter(torch.zeros(output_size, device=device, dtype=config.params_dtype))
+                    b.tensor_model_parallel = self.parallel_mode == "column"
+                    b.partition_dim, b.partition_stride = 0, 1
+                    b.allreduce = not use_expert_pgs
+                    self.register_parameter(f"bias{i}", b)
+
+        def forward(self, x, m_splits):
+            w = torch.stack([getattr(self, f"weight{i}") for i in range(self.num_gemms)])
+            out = grouped_gemm(x, w, m_splits, True)
+            if not self.use_bias:
+                return out, None
+            biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+            if self.skip_bias_add:  # TEGroupedMLP._apply_bias adds them, times the probs
+                return out, biases
+            sizes = torch.as_tensor(m_splits, device=out.device)
+            return out + torch.repeat_interleave(torch.stack(biases), sizes, dim=0), None
+
+        def backward_dw(self):
+            """Weight gradients are computed in the backward (delay_wgrad_compute is refused)."""
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            """Per expert, as TE's grouped linears (and SequentialMLP): `weight{i}` is the global
+            expert's `weight` with an expert axis; column: TP axis 0 (bias too), row: axis 1."""
+            metadata = metadata or {}
+            ep = self._pg_collection.ep
+            num_global, offset = ep.size() * self.num_gemms, ep.rank() * self.num_gemms
+            tp_axes = {"weight": 0 if self.parallel_mode == "column" else 1}
+            if self.parallel_mode == "column":
+                tp_axes["bias"] = 0
+            out = {}
+            for i in range(self.num_gemms):
+                state = {f"{i}.{k}": getattr(self, f"{k}{i}") for k in ("weight", "bias")
+                         if k == "weight" or self.use_bias}
+                if metadata.get("singleton_local_shards", False):
+                    expert_prefix, offsets = f"{offset + i}.{prefix}", sharded_offsets
+                else:
+                    expert_prefix = prefix
+                    offsets = (*sharded_offsets, (len(sharded_offsets), offset + i, num_global))
+                sub = make_sharded_tensors_for_checkpoint(
+                    state, "", {f"{i}.{k}": ax for k, ax in tp_axes.items()}, offsets,
+                    tp_group=self._tp_group, dp_cp_group=metadata.get("dp_cp_group"))
+                replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
+                for k in state:
+                    out[f"{prefix}{k.split('.')[1]}{i}"] = sub[k]
+            edp_rank = self._pg_collection.expt_dp.rank()
+            for sh in out.values():  # replicas over expert data parallelism, not DP
+                sh.replica_id = (*sh.replica_id[:2], edp_rank)
+            return out
+
+    class AdaptColumnParallelGroupedLinear(AdaptGroupedLinear):
+        parallel_mode = "column"
+
+    class AdaptRowParallelGroupedLinear(AdaptGroupedLinear):
+        parallel_mode = "row"
+
+    for cls in (AdaptColumnParallelGroupedLinear, AdaptRowParallelGroupedLinear):
+        cls.__megatron_adapt_impl__ = f"{backend.name}.grouped_gemm ({cls.__name__})"
+    return AdaptColumnParallelGroupedLinear, AdaptRowParallelGroupedLinear
+
+
+def build_grouped_mlp_modules(backend, original):
+    """core_v0.17+: LocalSpecProvider.grouped_mlp_modules(True) -> TEGroupedMLP on the backend's
+    grouped linears (Megatron gives SequentialMLP there: its grouped experts need TE); False ->
+    Megatron's own (SequentialMLP). patches/layer_specs' provider inherits it."""
+    from functools import partial
+
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+
+    column, row = grouped_linear_classes(backend)
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):
+        if not moe_use_grouped_gemm:
+            return original(self, moe_use_grouped_gemm)
+        return partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
+            linear_fc1=column, linear_fc2=row, activation_func=self.activation_func()))
+
+    grouped_mlp_modules.__megatron_adapt_impl__ = f"{backend.name}.grouped_gemm (TEGroupedMLP on grouped linears)"
+    return grouped_mlp_modules
+
+
 # --------------------------------------------------------------------- permute fusion
 def _fused(args, kwargs, position):
     return kwargs["fused"] if "fused" in kwargs else (len(args) > position and bool(args[position]))
@@ -143,6 +302,41 @@ def build_unpermute(backend, original):
         if not _fused(args, kwargs, 5):
             return wrapped(*args, **kwargs)
         a = _bind(wrapped, args, kwargs)
+        return moe_unpermute(a["permuted_tokens"], a["sorted_indices"], a["restore_shape"], a["probs"])
+    return wrapper
+
+
+def build_permute_017(backend, original):
+    """core_v0.17+: permute(..., tokens_per_expert=None, align_size=0) returns (permuted, probs,
+    row_map, pad_offsets, tokens_per_expert). align_size > 0 (the quantization padding of
+    FP8/FP4 runs, TE's fused_permute_and_pad_with_probs) is refused with the reason."""
+    moe_permute = backend.op("moe_permute")
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if not _fused(args, kwargs, 4):
+            return wrapped(*args, **kwargs)
+        a = _bind(wrapped, args, kwargs)
+        if a["align_size"] and a["probs"] is not None and a["tokens_per_expert"] is not None:
+            raise NotImplementedError(
+                f"permute(align_size={a['align_size']}) pads each expert for FP8/FP4 GEMMs (TE's "
+                "fused_permute_and_pad_with_probs); megatron-adapt's moe_permute does not pad")
+        out, probs, row_map = moe_permute(a["tokens"], a["routing_map"], a["probs"], a["num_out_tokens"])
+        return out, probs, row_map, None, a["tokens_per_expert"]
+    return wrapper
+
+
+def build_unpermute_017(backend, original):
+    """core_v0.17+: unpermute(..., pad_offsets=None); pad_offsets come only from the padding
+    permute that build_permute_017 refuses."""
+    moe_unpermute = backend.op("moe_unpermute")
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if not _fused(args, kwargs, 5):
+            return wrapped(*args, **kwargs)
+        a = _bind(wrapped, args, kwargs)
+        if a["pad_offsets"] is not None:
+            raise NotImplementedError("unpermute(pad_offsets=...) undoes FP8/FP4 expert padding, "
+                                      "which megatron-adapt's moe_permute does not add")
         return moe_unpermute(a["permuted_tokens"], a["sorted_indices"], a["restore_shape"], a["probs"])
     return wrapper
 
@@ -248,9 +442,24 @@ def build_topk(backend, original):
                              "router replay needs Megatron's unfused path")
             kwargs = dict(a, fused=False)
             return wrapped(**kwargs)
+        why = _unfused_reason(a)
+        if why:  # Megatron's own path serves these (reported; MEGATRON_ADAPT_STRICT=1 raises)
+            report.fell_back("moe_topk_router", "megatron.topk_routing_with_score_function", why)
+            return wrapped(**dict(a, fused=False))
         return router(a["logits"], a["topk"], a["use_pre_softmax"], a["num_groups"], a["group_topk"],
                       a["scaling_factor"], a["score_function"], a["expert_bias"])
     return wrapper
+
+
+def _unfused_reason(a):
+    """What the backend's top-k router does not do (core_v0.17+ arguments, 0.19's score function)."""
+    if a.get("dense_output"):
+        return "dense_output=True ([tokens, topk] outputs) is Megatron's unfused path's"
+    if a.get("precomputed_indices") is not None:
+        return "precomputed_indices are Megatron's unfused path's"
+    if a["score_function"] not in ("softmax", "sigmoid"):
+        return f"score_function={a['score_function']!r}: the backend op has softmax and sigmoid"
+    return None
 
 
 def build_router_scores(backend, original):
@@ -260,6 +469,10 @@ def build_router_scores(backend, original):
         if not _fused(args, kwargs, 3):
             return wrapped(*args, **kwargs)
         a = _bind(wrapped, args, kwargs)
+        if a["score_function"] not in ("softmax", "sigmoid"):
+            report.fell_back("moe_router_scores", "megatron.compute_routing_scores_for_aux_loss",
+                             f"score_function={a['score_function']!r}: the backend op has softmax and sigmoid")
+            return wrapped(**dict(a, fused=False))
         routing_map, s = scores(a["logits"], a["topk"], a["score_function"])
         mask = a.get("padding_mask")
         if mask is not None:  # as Megatron does after its own (and TE's) computation
@@ -361,27 +574,32 @@ def build_validate_args(backend, original):
     return wrapper
 
 
-# Verified on megatron-core 0.15 and 0.16. core_v0.17+ reorganised the MoE layer (0.19 removed the
-# legacy GroupedMLP and grouped_gemm_util this area builds on): there these specs are reported as
-# skipped (outside their range) and Megatron's own MoE code runs.
-VERSIONS = ">=0.15.0,<0.17.0"
+# The legacy GroupedMLP / grouped_gemm_util path and the te_general_gemm name: 0.15-0.16. From 0.17
+# (GroupedMLP removed, permute/unpermute/top-k signatures extended) the 0.17+ specs serve.
+LEGACY = ">=0.15.0,<0.17.0"
+CORE017 = ">=0.17.0,<0.20.0"
+VERSIONS = ">=0.15.0,<0.20.0"  # the area as a whole
 
 
-def _wrap(name, build):
-    return PatchSpec(f"{UTILS}:{name}", area="moe", build=build, mode=WRAP, versions=VERSIONS)
+def _wrap(name, build, versions=VERSIONS):
+    return PatchSpec(f"{UTILS}:{name}", area="moe", build=build, mode=WRAP, versions=versions)
 
 
 SPECS = [
-    PatchSpec(f"{GG}:grouped_gemm", area="moe", versions=VERSIONS, build=build_package),
-    PatchSpec(f"{GG}:ops", area="moe", versions=VERSIONS, build=build_ops),
-    PatchSpec(f"{EXPERTS}:GroupedMLP.forward", area="moe", versions=VERSIONS, build=build_grouped_mlp_forward),
-    _wrap("permute", build_permute),
-    _wrap("unpermute", build_unpermute),
+    PatchSpec(f"{GG}:grouped_gemm", area="moe", versions=LEGACY, build=build_package),
+    PatchSpec(f"{GG}:ops", area="moe", versions=LEGACY, build=build_ops),
+    PatchSpec(f"{EXPERTS}:GroupedMLP.forward", area="moe", versions=LEGACY, build=build_grouped_mlp_forward),
+    PatchSpec("megatron.core.models.backends:LocalSpecProvider.grouped_mlp_modules", area="moe",
+              versions=CORE017, build=build_grouped_mlp_modules),
+    _wrap("permute", build_permute, LEGACY),
+    _wrap("permute", build_permute_017, CORE017),
+    _wrap("unpermute", build_unpermute, LEGACY),
+    _wrap("unpermute", build_unpermute_017, CORE017),
     _wrap("sort_chunks_by_idxs", build_sort_chunks),
     _wrap("topk_routing_with_score_function", build_topk),
     _wrap("compute_routing_scores_for_aux_loss", build_router_scores),
     _wrap("switch_load_balancing_loss_func", build_aux_loss),
-    PatchSpec(f"{UTILS}:te_general_gemm", area="moe", versions=VERSIONS, build=build_general_gemm, create=True),
+    PatchSpec(f"{UTILS}:te_general_gemm", area="moe", versions=LEGACY, build=build_general_gemm, create=True),
     PatchSpec(f"{UTILS}:maybe_move_tensor_to_cpu", area="moe", versions=VERSIONS, build=build_move_to_cpu,
               backends=("cpu", "npu")),
     PatchSpec(f"{MAPPINGS}:_gather_along_first_dim", area="moe", versions=VERSIONS, build=build_gather_uneven,

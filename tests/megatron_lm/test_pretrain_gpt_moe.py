@@ -16,35 +16,33 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_pretrain_gpt as base  # noqa: E402
 
 NEEDS_CHECKOUT = True  # conftest.py: skipped when the checkout's version is not the installed one
 
 
-def _moe_patched_here() -> bool:
-    from megatron_adapt.patches import moe
-    from megatron_adapt.versions import in_range, megatron_core_version
-
-    return in_range(moe.VERSIONS, megatron_core_version())
-
-
-pytestmark = base.pytestmark + [pytest.mark.skipif(
-    not _moe_patched_here(), reason="megatron-adapt's moe area covers megatron-core 0.15-0.16 "
-    "(patches/moe.py VERSIONS); 0.17+ reorganised Megatron's MoE layer")]
-
+pytestmark = base.pytestmark
 MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-grouped-gemm",
        "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
        "--moe-aux-loss-coeff", "1e-2", "--disable-bias-linear"]
-REQUIRED_MOE_PATCHES = (
-    "megatron.core.transformer.moe.grouped_gemm_util:grouped_gemm",
-    "megatron.core.transformer.moe.grouped_gemm_util:ops",
-    "megatron.core.transformer.moe.experts:GroupedMLP.forward",
-    "megatron.core.transformer.moe.moe_utils:te_general_gemm",
-    "megatron.training.arguments:validate_args",
-)
+
+def _required_moe_patches():
+    from packaging.version import Version
+
+    from megatron_adapt.versions import megatron_core_version
+
+    common = ("megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu",
+              "megatron.training.arguments:validate_args")
+    if megatron_core_version() >= Version("0.17.0"):  # TEGroupedMLP on the backend's grouped linears
+        return common + ("megatron.core.models.backends:LocalSpecProvider.grouped_mlp_modules",)
+    return common + ("megatron.core.transformer.moe.grouped_gemm_util:grouped_gemm",
+                     "megatron.core.transformer.moe.grouped_gemm_util:ops",
+                     "megatron.core.transformer.moe.experts:GroupedMLP.forward",
+                     "megatron.core.transformer.moe.moe_utils:te_general_gemm")
+
+
+REQUIRED_MOE_PATCHES = _required_moe_patches()
 
 
 def pretrain(args, tmp: Path, name: str, nproc: int = 2, iters: int = 10):

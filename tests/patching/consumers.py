@@ -365,6 +365,60 @@ def _():
     return out
 
 
+def _expert_weights(experts):
+    """Functions giving the experts' fc1 / fc2 weights (or grads) as [E, in, out]: the legacy
+    GroupedMLP's weight1 / weight2 (0.15-0.16), or the grouped linears' weight{i} [out, in] (0.17+)."""
+    e = experts.num_local_experts
+    if hasattr(experts, "weight1"):
+        return (lambda attr="data": getattr(experts.weight1, attr).view(e, experts.config.hidden_size, -1),
+                lambda attr="data": getattr(experts.weight2, attr).view(e, -1, experts.config.hidden_size))
+
+    def stacked(linear):
+        return lambda attr="data": torch.stack([getattr(getattr(linear, f"weight{i}"), attr).t()
+                                                for i in range(e)])
+    return stacked(experts.linear_fc1), stacked(experts.linear_fc2)
+
+
+def _grouped_experts_with_bias(config, sizes):
+    """TEGroupedMLP with add_bias_linear (core_v0.17+) against a per-expert fp64 loop: fc1's bias
+    is added per expert inside the grouped linear, fc2's returned and scaled by the probs."""
+    import dataclasses
+
+    import torch.nn.functional as F
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    cfg = dataclasses.replace(config, add_bias_linear=True, bias_dropout_fusion=False,
+                              moe_permute_fusion=False, moe_router_fusion=False)
+    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=5, moe_grouped_gemm=True)
+    experts = GPTModel(cfg, spec, vocab_size=64, max_sequence_length=16).decoder.layers[0].mlp.experts
+    fc1, fc2 = experts.linear_fc1, experts.linear_fc2
+    with torch.no_grad():
+        for i in range(5):
+            getattr(fc1, f"bias{i}").normal_()
+            getattr(fc2, f"bias{i}").normal_()
+    x = torch.randn(int(sizes.sum()), 32, requires_grad=True)
+    probs = torch.rand(x.shape[0], requires_grad=True)
+    y, _ = experts(x, sizes, probs)
+    g = torch.randn_like(y)
+    y.backward(g)
+    p64 = {n: p.detach().double().requires_grad_() for n, p in experts.named_parameters()}
+    xr, pr = x.detach().double().requires_grad_(), probs.detach().double().requires_grad_()
+    rows, r0 = [], 0
+    for e, n in enumerate(sizes.tolist()):
+        h = xr[r0:r0 + n] @ p64[f"linear_fc1.weight{e}"].t() + p64[f"linear_fc1.bias{e}"]
+        a, b = h.chunk(2, dim=-1)
+        p = pr[r0:r0 + n, None]
+        rows.append((F.silu(a) * b * p) @ p64[f"linear_fc2.weight{e}"].t() + p64[f"linear_fc2.bias{e}"] * p)
+        r0 += n
+    ref = torch.cat(rows)
+    ref.backward(g.double())
+    named = dict(experts.named_parameters())
+    return {"matches": close(y, ref, 1e-5),
+            "grads_match": close(x.grad, xr.grad, 1e-5) and close(probs.grad, pr.grad, 1e-5)
+            and all(close(named[n].grad, p64[n].grad, 1e-5) for n in named),
+            "bias_grads_nonzero": bool(named["linear_fc2.bias0"].grad.abs().sum() > 0)}
+
+
 @check("moe")
 def _():
     """Megatron's MoELayer from the default TE layer spec (TE absent): 5 experts, top-2, grouped
@@ -398,8 +452,10 @@ def _():
     g = torch.randn_like(y)
     y.backward(g)
     out["grouped_gemm_calls"] = counted("grouped_gemm") - before
-    w1 = experts.weight1.detach().double().view(5, 32, -1).requires_grad_()
-    w2 = experts.weight2.detach().double().view(5, -1, 32).requires_grad_()
+    out["grouped_linears"] = [type(getattr(experts, n, None)).__name__ for n in ("linear_fc1", "linear_fc2")]
+    expert_w1, expert_w2 = _expert_weights(experts)
+    w1 = expert_w1().detach().double().requires_grad_()
+    w2 = expert_w2().detach().double().requires_grad_()
     xr, pr = x.detach().double().requires_grad_(), probs.detach().double().requires_grad_()
     rows, r0 = [], 0
     for e, n in enumerate(sizes.tolist()):
@@ -410,9 +466,13 @@ def _():
     ref.backward(g.double())
     out["experts_match"] = close(y, ref, 1e-5)
     out["experts_grads_match"] = (close(x.grad, xr.grad, 1e-5) and close(probs.grad, pr.grad, 1e-5)
-                                  and close(experts.weight1.grad.view(5, 32, -1), w1.grad, 1e-5)
-                                  and close(experts.weight2.grad.view(5, -1, 32), w2.grad, 1e-5))
-    out["empty_expert_grad_zero"] = bool((experts.weight1.grad.view(5, 32, -1)[[1, 4]] == 0).all())
+                                  and close(expert_w1("grad"), w1.grad, 1e-5)
+                                  and close(expert_w2("grad"), w2.grad, 1e-5))
+    out["empty_expert_grad_zero"] = bool((expert_w1("grad")[[1, 4]] == 0).all()
+                                         and (expert_w2("grad")[[1, 4]] == 0).all())
+
+    if not hasattr(experts, "weight1"):  # 0.17+: the grouped linears' biases (fc1 added, fc2 returned)
+        out["experts_with_bias"] = _grouped_experts_with_bias(config, sizes)
 
     # the whole layer: fused flags (backend ops) against Megatron's unfused code, same weights
     hidden = torch.randn(8, 2, 32)
@@ -426,11 +486,11 @@ def _():
         h = hidden.clone().requires_grad_()
         y, _ = moe(h)
         (y * torch.linspace(-1, 1, 32)).sum().backward()  # the aux loss reaches the router too
-        runs[fused] = (y.detach(), h.grad, moe.router.weight.grad.clone(), experts.weight1.grad.clone())
+        runs[fused] = (y.detach(), h.grad, moe.router.weight.grad.clone(), expert_w1("grad").clone())
         out[f"calls_fused_{fused}"] = {op: counted(op) - before[op] for op in ops}
     out["layer_matches_unfused"] = all(close(a, b, 1e-5) for a, b in zip(runs[True], runs[False]))
 
-    # --moe-router-dtype fp32: the router GEMM through the te_general_gemm name 0.16 leaves unbound
+    # --moe-router-dtype fp32: the router GEMM (0.16 names te_general_gemm, left unbound without TE)
     from megatron.core.transformer.moe.moe_utils import router_gating_linear
     inp = torch.randn(6, 2, 32).bfloat16().requires_grad_()
     w = torch.randn(5, 32).bfloat16().requires_grad_()

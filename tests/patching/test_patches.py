@@ -4,8 +4,6 @@ import json
 import os
 from functools import lru_cache
 
-import pytest
-
 from adapt_testutil import run_python
 from contract import PatchContract, specs_of
 
@@ -165,28 +163,30 @@ class TestLayerSpecs(PatchContract):
             assert "residual_norm" not in res, res
 
 
-def _moe_in_range():
-    from megatron_adapt.patches import moe
-    from megatron_adapt.versions import in_range, megatron_core_version
-
-    return in_range(moe.VERSIONS, megatron_core_version())
-
-
-@pytest.mark.skipif(not _moe_in_range(), reason="the moe area's specs cover megatron-core 0.15-0.16 "
-                    "(patches/moe.py VERSIONS); on 0.17+ they are reported as skipped by range")
 class TestMoE(PatchContract):
     area = "moe"
 
     def test_grouped_gemm_permute_and_router_fusion_through_moe_layer(self):
+        from packaging.version import Version
+
+        from megatron_adapt.versions import megatron_core_version
+
         res = consumer("moe")
-        assert res["experts_class"] == "GroupedMLP", res
-        assert res["grouped_gemm_calls"] == 2, res  # fc1 and fc2, fp32 (stock: bf16 only)
+        if megatron_core_version() >= Version("0.17.0"):  # legacy GroupedMLP removed
+            assert res["experts_class"] == "TEGroupedMLP", res
+            assert res["grouped_linears"] == ["AdaptColumnParallelGroupedLinear",
+                                              "AdaptRowParallelGroupedLinear"], res
+            assert res["experts_with_bias"] == {"matches": True, "grads_match": True,
+                                                "bias_grads_nonzero": True}, res
+        else:
+            assert res["experts_class"] == "GroupedMLP", res
+        assert res["grouped_gemm_calls"] == 2, res  # fc1 and fc2, fp32 (stock 0.16: bf16 only)
         assert res["experts_match"] and res["experts_grads_match"] and res["empty_expert_grad_zero"], res
         fused, unfused = res["calls_fused_True"], res["calls_fused_False"]
         assert all(n >= 1 for n in fused.values()), fused   # every fused MoE op served by the backend
         assert not any(unfused.values()), unfused            # flags off: Megatron's own code
         assert res["layer_matches_unfused"], res
-        # --moe-router-dtype fp32 (every router, without TE, NameErrors on te_general_gemm unpatched)
+        # --moe-router-dtype fp32 (on 0.16 every router, without TE, NameErrors on te_general_gemm)
         assert res["router_fp32"] == {"dtype": "torch.float32", "matches": True, "grads_match": True}, res
 
 
@@ -238,7 +238,7 @@ def test_every_patch_area_has_a_contract_subclass():
     for area in AREAS:
         declared = [s for s in all_specs() if s.area == area]
         assert declared, f"area {area} declares no specs"
-        # An area may be limited to some releases (every spec's range excludes this one: moe on
-        # 0.17+); otherwise it must have specs to probe here.
+        # An area may be limited to some releases (every spec's range excluding this one);
+        # otherwise it must have specs to probe here.
         if any(in_range(s.versions, version) for s in declared):
             assert specs_of(area), f"area {area} has no megatron-core specs to test"
