@@ -152,6 +152,10 @@ def _argument(original, args, kwargs, name):
 def _harden_after(request, root):
     """Append the chmod pass to an async request (it then runs after Megatron's own finalizers)."""
     if request is not None:
+        if not callable(getattr(request, "add_finalize_fn", None)):
+            raise CheckpointSecurityError(
+                f"{root}: MEGATRON_ADAPT_CHECKPOINT_HARDEN=1 cannot harden this asynchronous save: its "
+                f"request ({type(request).__module__}.{type(request).__qualname__}) has no add_finalize_fn")
         request.add_finalize_fn(lambda: (harden_tree(root), report.ran("checkpoint_harden", "chmod")))
     return request
 

@@ -7,8 +7,8 @@
   (Megatron's resharding): re-saved at once, every tensor (model and optimizer state) equals the
   original bit for bit; the next iteration's loss matches the TP=2 resume within 2e-3 (fp32; the
   tests/parity bound for a change of layout). The default (TE-named) spec's checkpoint also resumes
-  with --transformer-impl local. What is NOT portable is checked too: the torch format neither
-  reshards nor crosses between the two specs.
+  with --transformer-impl local. What is NOT portable is checked too: the torch format does not
+  reshard (Megatron refuses), and between the two specs it loads only partially (see below).
 
 Cross-backend (cpu <-> npu) loads are in tests/parity/test_checkpoint_portability.py: the torch_npu
 emulation cannot run stock pretrain_gpt.py (it keeps torch.cuda.is_available() False, and
@@ -30,6 +30,7 @@ from test_pretrain_gpt import LOCAL_UNFUSED, LM, NEEDS_CHECKOUT, pretrain, pytes
 
 HARDEN = {"MEGATRON_ADAPT_CHECKPOINT_HARDEN": "1"}
 LAYOUT_TOL = 2e-3
+RESUME = ["--override-opt_param-scheduler"]  # --train-iters differs from the saving run's
 
 
 def modes(root: Path) -> dict[str, int]:
@@ -91,18 +92,22 @@ def test_hardened_torch_format_save_resume_under_umask_0000(tmp_path):
     """--ckpt-format torch: mp_rank_0X/model_optim_rng.pt, read back by torch.load with
     weights_only forced on (the argparse Namespace, numpy RNG state and Megatron's enums inside
     are on megatron.core's safe-globals list). Also what the torch format cannot do: load at
-    another TP size, or into the other layer spec (its keys are module names)."""
+    another TP size (refused), or into the other layer spec (its keys are module names: a partial,
+    non-strict load)."""
     tp2 = ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch"]
     ckpt, _, _ = save_resume_hardened(tmp_path, "torch", tp2,
                                       ("mp_rank_00/model_optim_rng.pt", "mp_rank_01/model_optim_rng.pt"))
     tp1 = pretrain(["--ckpt-format", "torch", "--load", str(ckpt), "--no-load-optim", "--no-load-rng",
                     "--override-opt_param-scheduler"], tmp_path, "torch_tp1", iters=9, env=HARDEN)
     assert tp1.rc != 0 and "iteration        9/" not in tp1.out, tp1.out[-3000:]
-    assert "mp_rank_00" in tp1.out, tp1.out[-3000:]  # TP=1 looks for mp_rank_00 of a TP=1 save
+    assert "tensor_model_parallel_size value from checkpoint (2) is not equal to the input argument " \
+        "value (1)" in tp1.out, tp1.out[-3000:]  # Megatron's own check: this format does not reshard
+    # Into the local spec: the strict load fails on the norms' names; Megatron's
+    # load_model_state_dict then retries with strict=False and only prints "load_return: None", so
+    # the run goes on with input_layernorm / pre_mlp_layernorm at their initial values.
     local = pretrain([*tp2, *LOCAL_UNFUSED, "--load", str(ckpt), "--no-load-optim",
                       "--override-opt_param-scheduler"], tmp_path, "torch_local", iters=9, env=HARDEN)
-    assert local.rc != 0 and "iteration        9/" not in local.out
-    assert "input_layernorm" in local.out, local.out[-3000:]  # missing keys: the local spec's names
+    assert local.rc == 0 and local.out.count("load_return: None") == 2, local.out[-3000:]
 
 
 def full_tensors(checkpoint_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
@@ -120,7 +125,8 @@ def tp2_checkpoint(tmp_path_factory):
     ckpt = tmp / "ckpt"
     pretrain(["--tensor-model-parallel-size", "2", "--save", str(ckpt), "--save-interval", "5"],
              tmp, "tp2_save", iters=5).check()
-    ref = pretrain(["--tensor-model-parallel-size", "2", "--load", str(ckpt)], tmp, "tp2_resume", iters=6).check()
+    ref = pretrain(["--tensor-model-parallel-size", "2", "--load", str(ckpt), *RESUME], tmp, "tp2_resume",
+                   iters=6).check()
     assert sorted(ref.losses) == [6], ref.losses
     return tmp, ckpt, ref.losses[6]
 
@@ -143,7 +149,7 @@ def test_tp2_checkpoint_loads_at_another_layout(tp2_checkpoint, name, layout):
     assert any(k.startswith("optimizer.") for k in a) and any(k.startswith("decoder.") for k in a), sorted(a)
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, different
-    nxt = pretrain([*layout, "--load", str(ckpt)], tmp, f"{name}_next", iters=6).check()
+    nxt = pretrain([*layout, "--load", str(ckpt), *RESUME], tmp, f"{name}_next", iters=6).check()
     print(f"\nSTOCK tp2 -> {name}: {len(a)} tensors identical; iteration 6 loss {nxt.losses[6]:.6f} "
           f"vs tp2 {ref:.6f}, |diff| {abs(nxt.losses[6] - ref):.2e}")
     assert sorted(nxt.losses) == [6] and abs(nxt.losses[6] - ref) <= LAYOUT_TOL, (nxt.losses, ref)
@@ -153,7 +159,7 @@ def test_default_spec_torch_dist_checkpoint_resumes_with_local_spec(tp2_checkpoi
     """torch_dist keys are not module names: the local spec saves/loads its norms under TE's names
     (sharded_state_dict_keys_map), so the default spec's checkpoint resumes with the local one."""
     tmp, ckpt, ref = tp2_checkpoint
-    run = pretrain(["--tensor-model-parallel-size", "2", *LOCAL_UNFUSED, "--load", str(ckpt)], tmp,
+    run = pretrain(["--tensor-model-parallel-size", "2", *LOCAL_UNFUSED, "--load", str(ckpt), *RESUME], tmp,
                    "local_next", iters=6).check()
     print(f"\nSTOCK default spec -> local spec: iteration 6 |diff| {abs(run.losses[6] - ref):.2e}")
     assert abs(run.losses[6] - ref) <= LAYOUT_TOL, (run.losses, ref)
