@@ -46,6 +46,7 @@ LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.]+E[+-]\d+)"
 
 
 def full_tensors(checkpoint_dir: str, out: str) -> dict:
+    import megatron.core  # noqa: F401  (registers Megatron's safe globals: the common state holds numpy RNG state)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(checkpoint_dir, out)

@@ -111,6 +111,7 @@ def test_hardened_torch_format_save_resume_under_umask_0000(tmp_path):
 
 
 def full_tensors(checkpoint_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    import megatron.core  # noqa: F401  (registers Megatron's safe globals: the common state holds numpy RNG state)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = tmp / (checkpoint_dir.parent.name + "_" + checkpoint_dir.name + ".pt")

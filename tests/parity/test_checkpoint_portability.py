@@ -42,6 +42,7 @@ def emulation_on_path():
 
 def full_tensors(checkpoint_dir, tmp):
     """Every tensor of a torch_dist checkpoint, unsharded (no process group needed)."""
+    import megatron.core  # noqa: F401  (registers Megatron's safe globals: the common state holds numpy RNG state)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = os.path.join(tmp, os.path.basename(checkpoint_dir) + ".full.pt")
