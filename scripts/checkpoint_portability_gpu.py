@@ -94,7 +94,7 @@ def _port():
 
 
 def pretrain(lm: str, backend: str, args: list[str], log: str, iters: int) -> tuple[int, dict, str]:
-    cmd = [os.path.join(os.path.dirname(sys.executable), "megatron-adapt-run"), sys.executable, "-m",
+    cmd = [sys.executable, "-m", "megatron_adapt.launcher", sys.executable, "-m",
            "torch.distributed.run", "--nproc-per-node", "1", "--master-port", _port(),
            os.path.join(lm, "pretrain_gpt.py"), *TINY, "--train-iters", str(iters), *args]
     env = {**os.environ, "MEGATRON_ADAPT_BACKEND": backend, "MEGATRON_LM_PATH": lm, "OMP_NUM_THREADS": "4",
