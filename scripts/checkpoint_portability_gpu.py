@@ -97,7 +97,8 @@ def pretrain(lm: str, backend: str, args: list[str], log: str, iters: int) -> tu
     cmd = [sys.executable, "-m", "megatron_adapt.launcher", sys.executable, "-m",
            "torch.distributed.run", "--nproc-per-node", "1", "--master-port", _port(),
            os.path.join(lm, "pretrain_gpt.py"), *TINY, "--train-iters", str(iters), *args]
-    env = {**os.environ, "MEGATRON_ADAPT_BACKEND": backend, "MEGATRON_LM_PATH": lm, "OMP_NUM_THREADS": "4",
+    env = {**{k: v for k, v in os.environ.items() if k != "MEGATRON_ADAPT_AUTO"},  # the ranks must apply
+           "MEGATRON_ADAPT_BACKEND": backend, "MEGATRON_LM_PATH": lm, "OMP_NUM_THREADS": "4",
            "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     with open(log, "w") as f:
