@@ -42,6 +42,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-decay-iters", "20",
         "--seed", "1234", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
         "--attention-dropout", "0", "--hidden-dropout", "0"]
+RESUME = ["--override-opt_param-scheduler"]  # a resume runs to another --train-iters
 LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.]+E[+-]\d+)")
 
 
@@ -116,12 +117,12 @@ def stage2(lm: str, out_dir: str, pair=("cpu", "cuda")) -> list[dict]:
         try:
             rc, _, out = pretrain(lm, src, ["--save", ck, "--save-interval", "5"], os.path.join(d, "save.log"), 5)
             assert rc == 0, f"{src} save failed:\n{out[-3000:]}"
-            rc, ref, out = pretrain(lm, src, ["--load", ck], os.path.join(d, "src_resume.log"), 6)
+            rc, ref, out = pretrain(lm, src, ["--load", ck, *RESUME], os.path.join(d, "src_resume.log"), 6)
             assert rc == 0 and 6 in ref, f"{src} resume failed:\n{out[-3000:]}"
             # RNG states are per backend (CPU generator vs CUDA Philox): recorded, not required
-            rc, _, out = pretrain(lm, dst, ["--load", ck], os.path.join(d, "dst_resume_with_rng.log"), 6)
+            rc, _, out = pretrain(lm, dst, ["--load", ck, *RESUME], os.path.join(d, "dst_resume_with_rng.log"), 6)
             rng = {"rc": rc, "tail": out.strip().splitlines()[-12:] if rc else []}
-            rc, got, out = pretrain(lm, dst, ["--load", ck, "--no-load-rng"], os.path.join(d, "dst_resume.log"), 6)
+            rc, got, out = pretrain(lm, dst, ["--load", ck, "--no-load-rng", *RESUME], os.path.join(d, "dst_resume.log"), 6)
             assert rc == 0 and 6 in got, f"{dst} resume failed:\n{out[-3000:]}"
             rc, _, out = pretrain(lm, dst, ["--load", ck, "--no-load-rng", "--save", resaved, "--save-interval", "1000"],
                                   os.path.join(d, "dst_resave.log"), 5)
