@@ -16,6 +16,7 @@ ENV_QUIET = "MEGATRON_ADAPT_QUIET"  # "1": no start-up table on rank 0
 ENV_ATTENTION_LAYOUT = "MEGATRON_ADAPT_ATTENTION_LAYOUT"  # sbhd (SBH) | bshd (BSH)
 ENV_ALLOW_UNTESTED = "MEGATRON_ADAPT_ALLOW_UNTESTED_MEGATRON"  # "1": try a megatron-core newer than SUPPORTED
 ENV_EXTERNAL = "MEGATRON_ADAPT_EXTERNAL"  # auto | off | liger | apex (backends/cuda/providers.py)
+ENV_CHECKPOINT_HARDEN = "MEGATRON_ADAPT_CHECKPOINT_HARDEN"  # "1": patches/checkpoint_hardening.py
 EXTERNAL_MODES = ("auto", "off", "liger", "apex", "flash_attn")
 ATTENTION_LAYOUTS = {"sbhd": "sbhd", "sbh": "sbhd", "bshd": "bshd", "bsh": "bshd"}
 
@@ -56,20 +57,22 @@ class Config:
     attention_layout: str = "sbhd"  # memory order the attention kernel reads q/k/v in
     external: str = "auto"          # other libraries' kernels: auto (where faster) | off | liger | apex | flash_attn
     allow_untested: bool = False    # a megatron-core newer than SUPPORTED warns instead of failing
+    checkpoint_harden: bool = False  # checkpoint files 0640 / dirs 0750, refuse world-writable, weights_only
 
     @classmethod
     def resolve(cls, backend: str | None = None, **switches) -> "Config":
         """Explicit arguments win over the environment.
 
         switches: strict=bool, report_path=str, quiet=bool, attention_layout=str, external=str,
-        allow_untested=bool, disable=iterable of areas, and
+        allow_untested=bool, checkpoint_harden=bool, disable=iterable of areas, and
         ``<area>=False`` to turn one patch area off (``cross_entropy=False``).
         """
         env = os.environ
         disabled = set(_split(env.get(ENV_DISABLE)))
         disabled |= set(switches.pop("disable", ()) or ())
         for key in list(switches):
-            if key in ("strict", "report_path", "quiet", "attention_layout", "external", "allow_untested"):
+            if key in ("strict", "report_path", "quiet", "attention_layout", "external", "allow_untested",
+                       "checkpoint_harden"):
                 continue
             value = switches.pop(key)
             if value is False:
@@ -78,6 +81,11 @@ class Config:
                 disabled.discard(key)
             else:
                 raise TypeError(f"unknown switch {key}={value!r}: area switches take True/False")
+        harden = switches.get("checkpoint_harden", _truthy(env.get(ENV_CHECKPOINT_HARDEN)))
+        if harden and _truthy(env.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")):
+            from .errors import ConfigError
+            raise ConfigError(f"{ENV_CHECKPOINT_HARDEN}=1 loads checkpoints with torch.load(weights_only=True), "
+                              "but TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set: unset one of the two")
         return cls(
             backend=(backend or env.get(ENV_BACKEND) or "auto").strip().lower(),
             strict=switches.get("strict", _truthy(env.get(ENV_STRICT))),
@@ -87,6 +95,7 @@ class Config:
             attention_layout=_layout(switches.get("attention_layout", env.get(ENV_ATTENTION_LAYOUT))),
             external=_external(switches.get("external", env.get(ENV_EXTERNAL))),
             allow_untested=switches.get("allow_untested", _truthy(env.get(ENV_ALLOW_UNTESTED))),
+            checkpoint_harden=bool(harden),
         )
 
     def enabled(self, area: str) -> bool:

@@ -39,6 +39,7 @@ class RunConfig:
     swiglu: bool = False
     normalization: str = "LayerNorm"
     position_embedding: str = "learned_absolute"
+    spec: str = "local"            # layer spec: "local" or "te" (TE-named, served by layer_specs)
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     patched: bool = True           # False: only the device layer (+rng, jit), Megatron's own ops
@@ -93,7 +94,8 @@ def _train(rank: int, cfg: RunConfig):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -122,7 +124,11 @@ def _train(rank: int, cfg: RunConfig):
         # Megatron's defaults need our patches; unpatched Megatron needs them off (no apex / TE).
         masked_softmax_fusion=cfg.patched, persist_layer_norm=cfg.patched,
         apply_rope_fusion=cfg.patched and cfg.position_embedding == "rope")
-    model = GPTModel(config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=cfg.normalization),
+    if cfg.spec not in ("local", "te"):
+        raise ValueError(f"RunConfig.spec={cfg.spec!r}: expected 'local' or 'te'")
+    layer_spec = get_gpt_layer_local_spec(normalization=cfg.normalization) if cfg.spec == "local" \
+        else get_gpt_layer_with_transformer_engine_spec()
+    model = GPTModel(config, transformer_layer_spec=layer_spec,
                      vocab_size=cfg.vocab, max_sequence_length=cfg.seq,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(),

@@ -16,6 +16,7 @@ AREAS = (
     "activations",
     "optimizer",
     "checkpointing",
+    "checkpoint_hardening",
     "multi_tensor",
     "grad_accum_fusion",
     "moe",

@@ -1,5 +1,6 @@
 """Loaded at start-up of every Python process under megatron-adapt-run: apply the patches, then
 run any other sitecustomize that this one shadows."""
+import importlib.machinery
 import importlib.util
 import os
 import sys

@@ -104,18 +104,21 @@ class Run:
 
 
 def launch(script: str, args: list[str], tmp: Path, name: str, cwd: Path | None = None,
-           timeout: int = 300, env: dict | None = None) -> Run:
+           timeout: int = 300, env: dict | None = None, umask: int | None = None) -> Run:
     cmd = ["megatron-adapt-run", "torchrun", "--nproc-per-node", "2", "--master-port",
            str(_free_port()), os.path.join(LM, script), *args]
     proc = subprocess.run(cmd, env={**_env(), **(env or {})}, cwd=cwd or tmp, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                          preexec_fn=None if umask is None else (lambda: os.umask(umask)))
     log = tmp / f"{name}.log"
     log.write_text(" ".join(cmd) + "\n" + proc.stdout)
     return Run(proc, log)
 
 
-def pretrain(args: list[str], tmp: Path, name: str, iters: int = 10, env: dict | None = None) -> Run:
-    return launch("pretrain_gpt.py", [*TINY_GPT, "--train-iters", str(iters), *args], tmp, name, env=env)
+def pretrain(args: list[str], tmp: Path, name: str, iters: int = 10, env: dict | None = None,
+             umask: int | None = None) -> Run:
+    return launch("pretrain_gpt.py", [*TINY_GPT, "--train-iters", str(iters), *args], tmp, name, env=env,
+                  umask=umask)
 
 
 def assert_loss_falls(run: Run, first: int = 1, by: float = 0.3):

@@ -26,6 +26,7 @@ class PatchContract:
 
     area: str = ""
     cpu_applies = True  # False for specs whose backends exclude cpu
+    env: tuple = ()     # (name, value) pairs the probes run with (an area behind a switch)
 
     def _targets(self):
         targets = [s.target for s in specs_of(self.area)]
@@ -33,25 +34,25 @@ class PatchContract:
         return targets
 
     def test_target_exists_and_applies_when_patched_before_import(self):
-        res = probe("before")
+        res = probe("before", self.env)
         for t in self._targets():
             assert res[t]["status"] == "applied", (t, res[t])
             assert res[t]["ours"], t
             assert all(res[t]["aliases_ours"]), (t, "an alias still holds the original")
 
     def test_applies_when_patched_after_import(self):
-        res = probe("after")
+        res = probe("after", self.env)
         for t in self._targets():
             assert res[t]["status"] == "applied" and res[t]["ours"], (t, res[t])
             assert all(res[t]["aliases_ours"]), t
 
     def test_idempotent(self):
-        res = probe("idempotent")
+        res = probe("idempotent", self.env)
         for t in self._targets():
             assert res["first"][t] == res["second"][t], t
 
     def test_revert_restores_every_site_and_reapplies(self):
-        res = probe("revert")
+        res = probe("revert", self.env)
         assert res["device_restored"]
         for t in self._targets():
             assert res["patched"][t]["ours"], t
@@ -60,6 +61,6 @@ class PatchContract:
         assert all(res["alias_restored"].values()), res["alias_restored"]
 
     def test_disabled_by_switch(self):
-        res = probe("disabled")
+        res = probe("disabled", self.env)
         for t in self._targets():
             assert res[t]["status"] == "disabled" and res[t]["original"], (t, res[t])

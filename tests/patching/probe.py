@@ -51,6 +51,8 @@ ALIASES = {
     "megatron.core.utils:local_multi_tensor_l2_norm": ["megatron.core.optimizer.clip_grads:l2_norm_impl"],
     "megatron.core.utils:local_multi_tensor_scale": ["megatron.core.optimizer.clip_grads:multi_tensor_scale_impl"],
     "megatron.core.tensor_parallel.random:_set_cuda_rng_state": [],
+    **{f"megatron.core.dist_checkpointing.serialization:{name}": [f"megatron.core.dist_checkpointing:{name}"]
+       for name in ("save", "load", "load_common_state_dict")},
     **{f"megatron.core.transformer.moe.moe_utils:{name}": [f"megatron.core.transformer.moe.token_dispatcher:{name}"]
        for name in ("permute", "unpermute", "sort_chunks_by_idxs")},
     **{f"megatron.core.transformer.moe.moe_utils:{name}": [f"megatron.core.transformer.moe.router:{name}"]

@@ -5,7 +5,7 @@ import os
 from functools import lru_cache
 
 from adapt_testutil import run_python
-from contract import PatchContract, specs_of
+from contract import PatchContract, probe, specs_of
 
 CONSUMERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "consumers.py")
 
@@ -92,6 +92,66 @@ class TestCheckpointing(PatchContract):
         res = consumer("checkpointing")
         assert res == {"original_fails_on_fresh_optimizer": True, "ours_returns_template": True,
                        "inner_state_untouched": True}, res
+
+
+HARDEN_CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_hardening_check.py")
+
+
+@lru_cache(maxsize=None)
+def hardening_check(harden: bool):
+    """(directory, findings) of one run of checkpoint_hardening_check.py (cached per switch)."""
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="adapt-harden-")
+    env = {"MEGATRON_ADAPT_CHECKPOINT_HARDEN": "1" if harden else "0", "PROBE_PORT": "29542" if harden else "29543"}
+    out = run_python([HARDEN_CHECK, tmp], env=env).stdout
+    line = next(l for l in out.splitlines() if l.startswith("PROBE-JSON:"))
+    return tmp, json.loads(line[len("PROBE-JSON:"):])
+
+
+class TestCheckpointHardening(PatchContract):
+    """Off by default (skipped, reason given); probed with MEGATRON_ADAPT_CHECKPOINT_HARDEN=1."""
+    area = "checkpoint_hardening"
+    env = (("MEGATRON_ADAPT_CHECKPOINT_HARDEN", "1"),)
+
+    def test_skipped_with_reason_when_switch_is_off(self):
+        res = probe("before")
+        for t in self._targets():
+            assert res[t]["status"] == "skipped" and "MEGATRON_ADAPT_CHECKPOINT_HARDEN" in res[t]["reason"], res[t]
+
+    def test_save_modes_under_umask_0000_sync_and_async(self):
+        _, res = hardening_check(True)
+        assert res["hardened"] and res["loaded_identical"], res
+        for kind in ("sync_modes", "async_modes"):
+            modes = res[kind]
+            assert {".", "common.pt", "metadata.json", ".metadata", "__0_0.distcp"} <= modes.keys(), modes
+            assert modes.pop(".") == 0o750, (kind, modes)
+            assert set(modes.values()) == {0o640}, (kind, {k: oct(v) for k, v in modes.items()})
+
+    def test_load_refuses_world_writable_file_naming_it(self):
+        tmp, res = hardening_check(True)
+        for key in ("world_writable", "world_writable_common"):
+            assert res[key].startswith("refusing to load checkpoint file ") and \
+                os.path.join(tmp, "sync", "common.pt") in res[key] and "0o666" in res[key], res[key]
+
+    def test_common_state_is_loaded_weights_only(self):
+        """With torch's default simulated as weights_only=False (torch < 2.6), a common.pt holding
+        an arbitrary class loads unhardened and is refused hardened."""
+        assert hardening_check(True)[1]["weights_only"].startswith(
+            "UnpicklingError: Weights only load failed")
+
+    def test_without_the_switch_umask_0000_leaves_world_writable_files(self):
+        """The baseline the checks above are measured against: stock behaviour under umask 0000."""
+        _, res = hardening_check(False)
+        assert not res["hardened"]
+        assert res["sync_modes"]["."] == 0o777 and res["sync_modes"]["common.pt"] == 0o666, res
+        assert res["world_writable"] == "loaded" and res["weights_only"] == "loaded NotAllowListed", res
+
+    def test_conflicting_torch_switch_is_refused(self):
+        proc = run_python("import megatron_adapt; megatron_adapt.apply('cpu')",
+                          env={"MEGATRON_ADAPT_CHECKPOINT_HARDEN": "1", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1",
+                               "MEGATRON_ADAPT_AUTO": "0"}, check=False)
+        assert proc.returncode != 0 and "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" in proc.stderr, proc.stderr[-2000:]
 
 
 class TestMultiTensor(PatchContract):
