@@ -6,6 +6,7 @@ imports a hardware library. MEGATRON_ADAPT_DISABLE takes these area names.
 
 AREAS = (
     "jit",
+    "te_version",
     "rng",
     "training",
     "cross_entropy",

@@ -70,6 +70,27 @@ def check(name):
     return deco
 
 
+@check("te_version")
+def _():
+    """Megatron's unit-test conftest asks is_te_min_version("1.3") in an autouse fixture; the
+    bert module holds its own alias of get_te_version. Without TE: "0.0.0", never a TypeError."""
+    from megatron.core import utils
+    from megatron.core.models.bert import bert_model
+    from megatron_adapt.versions import in_range, megatron_core_version
+
+    try:
+        import transformer_engine  # noqa: F401
+        have_te = True
+    except ImportError:
+        have_te = False
+    patched = in_range(">=0.15.0,<0.17.0", megatron_core_version())
+    orig = original("megatron.core.utils:get_te_version") if patched else None
+    return {"have_te": have_te, "version": str(utils.get_te_version()),
+            "min_1_3": utils.is_te_min_version("1.3"), "min_0_0_strict": utils.is_te_min_version("0.0.0", check_equality=False),
+            "bert_alias_ours": bert_model._get_te_version is utils.get_te_version,
+            "original_answers_none": (orig() is None) if patched else None}
+
+
 @check("cross_entropy")
 def _():
     model, config = make_model()

@@ -25,6 +25,36 @@ def consumer(area):
     return res
 
 
+def _te_version_in_range():
+    from megatron_adapt.patches import te_version
+    from megatron_adapt.versions import in_range, megatron_core_version
+
+    return in_range(te_version.SPECS[0].versions, megatron_core_version())
+
+
+@pytest.mark.skipif(not _te_version_in_range(), reason="megatron-core 0.17+ answers Version('0.0.0') "
+                    "without TE itself (patches/te_version.py); the area has no spec there")
+class TestTeVersion(PatchContract):
+    area = "te_version"
+
+    def test_no_te_answers_zero_through_is_te_min_version_and_aliases(self):
+        res = consumer("te_version")
+        assert not res["have_te"], "this test checks the answer without Transformer Engine"
+        assert res["original_answers_none"], res  # what Megatron's own helper says (then TypeError)
+        assert res["version"] == "0.0.0" and res["min_1_3"] is False and res["min_0_0_strict"] is False, res
+        assert res["bert_alias_ours"], res
+
+
+def test_te_version_stock_answer_on_0_17_plus_matches_ours():
+    """On 0.17+ Megatron answers itself; what it answers is what the patch gives 0.15-0.16."""
+    if _te_version_in_range():
+        pytest.skip("megatron-core 0.15-0.16: covered by TestTeVersion")
+    proc = run_python("import megatron_adapt; megatron_adapt.apply('cpu')\n"
+                      "from megatron.core.utils import get_te_version, is_te_min_version\n"
+                      "assert str(get_te_version()) == '0.0.0' and not is_te_min_version('1.3')\n")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 class TestCrossEntropy(PatchContract):
     area = "cross_entropy"
 
