@@ -70,25 +70,34 @@ def check(name):
     return deco
 
 
-@check("te_version")
+@check("package_versions")
 def _():
-    """Megatron's unit-test conftest asks is_te_min_version("1.3") in an autouse fixture; the
-    bert module holds its own alias of get_te_version. Without TE: "0.0.0", never a TypeError."""
+    """Megatron's unit-test conftest asks is_te_min_version("1.3") in an autouse fixture, its test
+    modules is_fa_min_version(...) at import; the bert module holds its own alias of get_te_version.
+    Without the packages: 0.0.0, never a TypeError / ModuleNotFoundError."""
+    import importlib.util
+
     from megatron.core import utils
     from megatron.core.models.bert import bert_model
     from megatron_adapt.versions import in_range, megatron_core_version
 
+    version = megatron_core_version()
+    out = {"absent": {p: importlib.util.find_spec(p) is None
+                      for p in ("transformer_engine", "flash_attn", "mamba_ssm", "causal_conv1d")},
+           "bert_alias_ours": bert_model._get_te_version is utils.get_te_version}
+    helpers = ["te", "fa"] + (["mamba", "causal_conv1d"] if in_range(">=0.16.0", version) else [])
+    for name in helpers:
+        out[name] = {"version": str(getattr(utils, f"get_{name}_version")()),
+                     "min": getattr(utils, f"is_{name}_min_version")("1.0"),
+                     "min_0_strict": getattr(utils, f"is_{name}_min_version")("0.0.0", check_equality=False)}
+    if in_range(">=0.15.0,<0.17.0", version):
+        out["te_original_answers_none"] = original("megatron.core.utils:get_te_version")() is None
     try:
-        import transformer_engine  # noqa: F401
-        have_te = True
-    except ImportError:
-        have_te = False
-    patched = in_range(">=0.15.0,<0.17.0", megatron_core_version())
-    orig = original("megatron.core.utils:get_te_version") if patched else None
-    return {"have_te": have_te, "version": str(utils.get_te_version()),
-            "min_1_3": utils.is_te_min_version("1.3"), "min_0_0_strict": utils.is_te_min_version("0.0.0", check_equality=False),
-            "bert_alias_ours": bert_model._get_te_version is utils.get_te_version,
-            "original_answers_none": (orig() is None) if patched else None}
+        original("megatron.core.utils:get_fa_version")()
+        out["fa_original_raises"] = False
+    except ModuleNotFoundError:
+        out["fa_original_raises"] = True
+    return out
 
 
 @check("cross_entropy")

@@ -25,34 +25,39 @@ def consumer(area):
     return res
 
 
-def _te_version_in_range():
-    from megatron_adapt.patches import te_version
-    from megatron_adapt.versions import in_range, megatron_core_version
+class TestPackageVersions(PatchContract):
+    area = "package_versions"
 
-    return in_range(te_version.SPECS[0].versions, megatron_core_version())
-
-
-@pytest.mark.skipif(not _te_version_in_range(), reason="megatron-core 0.17+ answers Version('0.0.0') "
-                    "without TE itself (patches/te_version.py); the area has no spec there")
-class TestTeVersion(PatchContract):
-    area = "te_version"
-
-    def test_no_te_answers_zero_through_is_te_min_version_and_aliases(self):
-        res = consumer("te_version")
-        assert not res["have_te"], "this test checks the answer without Transformer Engine"
-        assert res["original_answers_none"], res  # what Megatron's own helper says (then TypeError)
-        assert res["version"] == "0.0.0" and res["min_1_3"] is False and res["min_0_0_strict"] is False, res
+    def test_absent_packages_answer_zero_through_is_min_version_and_aliases(self):
+        res = consumer("package_versions")
+        assert all(res["absent"].values()), f"this test checks the answers without the packages: {res}"
+        assert res["fa_original_raises"], res  # Megatron's own helper, every supported release
+        if "te_original_answers_none" in res:  # 0.15-0.16 (then is_te_min_version raises TypeError)
+            assert res["te_original_answers_none"], res
+        for name in ("te", "fa", "mamba", "causal_conv1d"):
+            if name in res:
+                assert res[name] == {"version": "0.0.0", "min": False, "min_0_strict": False}, (name, res)
         assert res["bert_alias_ours"], res
 
-
-def test_te_version_stock_answer_on_0_17_plus_matches_ours():
-    """On 0.17+ Megatron answers itself; what it answers is what the patch gives 0.15-0.16."""
-    if _te_version_in_range():
-        pytest.skip("megatron-core 0.15-0.16: covered by TestTeVersion")
-    proc = run_python("import megatron_adapt; megatron_adapt.apply('cpu')\n"
-                      "from megatron.core.utils import get_te_version, is_te_min_version\n"
-                      "assert str(get_te_version()) == '0.0.0' and not is_te_min_version('1.3')\n")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    def test_installed_package_keeps_megatrons_answer_and_broken_one_raises(self, tmp_path):
+        """A package that is present keeps the original's answer (here: a fake flash_attn with a
+        __version__); one whose import fails is not reported "absent"."""
+        (tmp_path / "flash_attn").mkdir()
+        (tmp_path / "flash_attn" / "__init__.py").write_text("__version__ = '2.7.4'\n")
+        proc = run_python(
+            f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+            "import megatron_adapt; megatron_adapt.apply('cpu')\n"
+            "from megatron.core.utils import get_fa_version, is_fa_min_version\n"
+            "assert str(get_fa_version()) == '2.7.4' and is_fa_min_version('2.7.3'), get_fa_version()\n")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        (tmp_path / "flash_attn" / "__init__.py").write_text("raise ImportError('broken build')\n")
+        proc = run_python(
+            f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+            "import megatron_adapt; megatron_adapt.apply('cpu')\n"
+            "from megatron.core.utils import get_fa_version\n"
+            "try:\n    get_fa_version()\nexcept ImportError as e:\n    assert 'broken build' in str(e), e\n"
+            "else:\n    raise SystemExit('a broken flash_attn was answered')\n")
+        assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 class TestCrossEntropy(PatchContract):
