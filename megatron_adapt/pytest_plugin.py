@@ -19,6 +19,9 @@ Loaded without `-p` it does nothing (there is no entry point). Enabled, it:
   `fp8_autocast(enabled=True)` raises. The shim is gone from sys.modules once the test module is
   imported, so Megatron itself never sees a `transformer_engine` package;
 - never downloads: the conftest's data-set download is replaced by an error it reports and goes on;
+- gives process groups a collective timeout (`--megatron-adapt-pg-timeout`, 300 s) where the test
+  sets none: a test that fails on one rank only then fails the other rank's collective in minutes,
+  not after the default 30;
 - writes each test's outcome (passed / failed / skipped + reason / error) as JSON, one file per rank.
 """
 from __future__ import annotations
@@ -77,6 +80,8 @@ def pytest_addoption(parser):
     group = parser.getgroup("megatron-adapt")
     group.addoption("--megatron-adapt-json", default=None,
                     help="write each test's outcome as JSON here ({rank} is replaced by the rank)")
+    group.addoption("--megatron-adapt-pg-timeout", type=float, default=300.0,
+                    help="seconds before a collective of a process group the test made times out")
 
 
 def _backend_and_version():
@@ -110,6 +115,7 @@ class _Plugin:
         self.backend, self.version = _backend_and_version()
         self.skips = skips_for(self.backend, self.version)
         self.outcomes: dict[str, dict] = {}
+        _pg_timeout(config.getoption("--megatron-adapt-pg-timeout"))
 
     # -- the conftest's data download and Utils.initialize_model_parallel --------------------
     @pytest.hookimpl
@@ -135,7 +141,10 @@ class _Plugin:
     @pytest.hookimpl(wrapper=True)
     def pytest_make_collect_report(self, collector):
         if isinstance(collector, pytest.Module) and _relpath(collector) in TE_IMPORTING_MODULES:
-            _preimport_megatron(str(collector.path))
+            try:
+                _preimport_megatron(str(collector.path))
+            except Exception:  # the module's own import reports it, as a collection error
+                return (yield)
             with _te_fp8_shim():
                 report = yield
             return report
@@ -197,6 +206,22 @@ def _guard_world_size(utils_cls):
                         virtual_pipeline_model_parallel_size, **kwargs)
     initialize_model_parallel._megatron_adapt_guard = True
     utils_cls.initialize_model_parallel = staticmethod(initialize_model_parallel)
+
+
+def _pg_timeout(seconds: float):
+    import datetime
+
+    import torch.distributed as dist
+
+    original = dist.init_process_group
+    if getattr(original, "_megatron_adapt_timeout", False):
+        return
+
+    def init_process_group(*args, **kwargs):
+        kwargs.setdefault("timeout", datetime.timedelta(seconds=seconds))
+        return original(*args, **kwargs)
+    init_process_group._megatron_adapt_timeout = True
+    dist.init_process_group = init_process_group
 
 
 def _preimport_megatron(path: str):

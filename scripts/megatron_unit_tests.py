@@ -49,7 +49,7 @@ def run(name, targets, args, lm):
     launcher = os.path.join(bindir, "megatron-adapt-run")
     cmd = [launcher, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
            "--master-port", str(args.master_port), "--tee", "3",
-           "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "megatron_adapt.pytest_plugin",
+           "-m", "pytest", "-q", "-rs", "--maxfail=1000000", "-p", "no:cacheprovider", "-p", "megatron_adapt.pytest_plugin",
            "--megatron-adapt-json", os.path.join(out, "rank{rank}.json"), *args.pytest_args, *targets]
     env = dict(os.environ, MEGATRON_LM_PATH=lm, MEGATRON_ADAPT_BACKEND=args.backend,
                MEGATRON_ADAPT_QUIET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
