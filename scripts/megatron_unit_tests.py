@@ -74,6 +74,7 @@ def run(name, targets, args, lm):
 
 
 def counts(tests: dict, key) -> dict:
+    """Outcome counts per key(nodeid): one row per file or directory."""
     table = collections.defaultdict(lambda: dict.fromkeys(OUTCOMES, 0))
     for nodeid, rec in tests.items():
         table[key(nodeid)][rec["outcome"]] += 1
@@ -141,6 +142,9 @@ def main(argv=None) -> int:
         if missing:
             print(f"   no report from ranks {missing}")
         res["per_file"] = counts(tests, file_of)
+        for t in targets:  # a file that collected no test (e.g. all commented out) is shown as 0
+            if t.endswith(".py") and t not in res["per_file"]:
+                res["per_file"][t] = dict.fromkeys(OUTCOMES, 0)
         total = print_table(f"{name} per file", res["per_file"])
         res["per_dir"] = counts(tests, lambda n: os.path.dirname(file_of(n)))
         print_table(f"{name} per directory", res["per_dir"])

@@ -288,8 +288,24 @@ def _():
     plain = torch.rand(4)
     with tracker.fork():
         b = torch.rand(4)
+    from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+
+    x = torch.randn(4, 4, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()  # stock without TE: fp8 is True -> NameError in forward
+    y = ckpt.checkpoint(torch.nn.functional.gelu, x)
+    z = y * x
+    ckpt.discard_output_and_register_recompute(z)
+    z.sum().backward()
+    xr = x.detach().requires_grad_()
+    (torch.nn.functional.gelu(xr) * xr).sum().backward()
+    try:
+        CheckpointWithoutOutput(fp8=True)
+        fp8_refused = False
+    except RuntimeError as e:
+        fp8_refused = "Transformer Engine" in str(e)
     return {"fork_switches_state": not torch.equal(a, plain), "restores_default": torch.equal(outside, plain),
-            "fork_advances": not torch.equal(a, b)}
+            "fork_advances": not torch.equal(a, b), "checkpoint_without_output_grad_matches": close(x.grad, xr.grad),
+            "checkpoint_fp8_without_te_refused": fp8_refused}
 
 
 @check("jit")
