@@ -4,15 +4,19 @@ initialize_model_parallel, a test module importing Transformer Engine's fp8 name
 The real suite runs in tests/megatron_lm/test_megatron_unit_tests.py."""
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
 
 import pytest
 
 from megatron_adapt import pytest_plugin
 
-LAUNCHER = os.path.join(os.path.dirname(sys.executable), "megatron-adapt-run")
+# The console script pip installed for this Python (its scripts directory), else the one on PATH.
+LAUNCHER = next((p for p in (os.path.join(sysconfig.get_path("scripts"), "megatron-adapt-run"),
+                             shutil.which("megatron-adapt-run")) if p and os.path.exists(p)), "megatron-adapt-run")
 
 CONFTEST = """
 import pytest
