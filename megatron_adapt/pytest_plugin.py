@@ -82,6 +82,16 @@ SKIPS: list[Skip] = [
     Skip(UT + "test_optimizer.py::test_chained_optimizer", "cuda",
          "moves optimizer state with .to('cuda') and asserts tensor.is_cuda: on the cpu backend "
          "'cuda' tensors are CPU tensors", backends=NOT_GPU),
+    # tests/unit_tests/data: vocabularies and data sets from the network or /opt/data
+    Skip(UT + "data/test_preprocess_data.py::*", "download",
+         "reads the GPT-2 vocab / merges from /opt/data/tokenizers (the conftest's download) or "
+         "fetches them with requests.get (gpt2_vocab / gpt2_merge)"),
+    Skip(UT + "data/test_preprocess_mmdata.py::*", "download",
+         "fetches the GPT-2 vocab / merges with requests.get (test_preprocess_data.gpt2_vocab)"),
+    Skip(UT + "data/test_bin_reader.py::*", "download",
+         "fetches the GPT-2 vocab / merges with requests.get (test_preprocess_data.gpt2_vocab)"),
+    Skip(UT + "data/test_fim_dataset.py::*", "download",
+         "reads /opt/data/tokenizers/huggingface and /opt/data/datasets/fim (the conftest's download)"),
     Skip(UT + "fusions/test_swiglu_fusion.py::test_weighted_bias_swiglu[[]input_dtype0[]]", "rounding",
          "bf16: compares bias_swiglu_impl (served by the backend's op) with Megatron's own "
          "weighted_bias_swiglu_impl (not patched) at atol 1e-3 / rtol 2e-2; the two round the "
@@ -194,15 +204,23 @@ class _Plugin:
             elif rec["outcome"] != "failed":
                 rec.update(outcome="error", when=report.when, message=_short(report.longreprtext))
 
+    def pytest_runtest_logfinish(self, nodeid, location):
+        self._write()  # after every test: a run killed by its time limit still has its counts
+
     def pytest_sessionfinish(self, session):
+        self._write(finished=True)
+
+    def _write(self, finished=False):
         path = self.config.getoption("--megatron-adapt-json")
         if not path:
             return
         path = path.replace("{rank}", str(_rank()))
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             json.dump({"rank": _rank(), "world_size": _world(), "backend": self.backend,
-                       "megatron_core": str(self.version), "tests": self.outcomes}, f, indent=1)
+                       "megatron_core": str(self.version), "finished": finished,
+                       "tests": self.outcomes}, f, indent=1)
+        os.replace(path + ".tmp", path)
 
 
 def _short(text: str, limit: int = 1500) -> str:

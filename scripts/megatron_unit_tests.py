@@ -72,7 +72,11 @@ def run(name, targets, args, lm):
         path = os.path.join(out, f"rank{rank}.json")
         if os.path.exists(path):
             with open(path) as f:
-                reports[rank] = json.load(f)["tests"]
+                data = json.load(f)
+            reports[rank] = data["tests"]
+            if not data.get("finished"):
+                print(f"   rank {rank}: the run stopped before the session finished (rc={rc}); "
+                      "counts are of the tests that ran")
     return {"name": name, "command": " ".join(cmd), "rc": rc, "seconds": round(elapsed, 1),
             "reports": reports}
 
