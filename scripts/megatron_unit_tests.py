@@ -57,6 +57,7 @@ def run(name, targets, args, lm):
            "--megatron-adapt-json", os.path.join(out, "rank{rank}.json"), *args.pytest_args, *targets]
     env = dict(os.environ, MEGATRON_LM_PATH=lm, MEGATRON_ADAPT_BACKEND=args.backend,
                MEGATRON_ADAPT_QUIET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.pop("MEGATRON_ADAPT_AUTO", None)  # these runs are under megatron-adapt by definition
     t0 = time.time()
     with open(os.path.join(out, "pytest.log"), "w") as log:
         log.write(" ".join(cmd) + "\n")
