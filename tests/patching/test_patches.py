@@ -12,9 +12,17 @@ from contract import PatchContract, specs_of
 CONSUMERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "consumers.py")
 
 
+def _free_port():
+    import socket
+
+    with socket.socket() as s:  # a fixed port collides with other test runs on a shared machine
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 @lru_cache(maxsize=None)
 def consumers():
-    out = run_python([CONSUMERS]).stdout
+    out = run_python([CONSUMERS], env={"PROBE_PORT": _free_port()}).stdout
     line = next(l for l in out.splitlines() if l.startswith("PROBE-JSON:"))
     return json.loads(line[len("PROBE-JSON:"):])
 
