@@ -6,6 +6,7 @@ imports a hardware library. MEGATRON_ADAPT_DISABLE takes these area names.
 
 AREAS = (
     "jit",
+    "package_versions",
     "rng",
     "training",
     "cross_entropy",

@@ -2,8 +2,15 @@
 
 `_set_cuda_rng_state` defers its work through `torch.cuda._lazy_call`, which on a build without
 CUDA silently queues the callback forever: the RNG tracker would never switch states.
+
+`CheckpointWithoutOutput(fp8=False)` sets `self.fp8 = fp8 is not None` (True) on every release
+0.15-0.19, so without Transformer Engine its forward NameErrors on `FP8GlobalStateManager`: the
+activation-recompute helper (MLA / MoE `--recompute-modules`, Megatron's own unit test) cannot run.
+Without TE (the module's HAVE_TE) fp8 is off; asking for it (fp8 truthy) is a clear error.
 """
-from megatron_adapt.spec import PatchSpec
+import sys
+
+from megatron_adapt.spec import PatchSpec, SkipPatch
 
 MODULE = "megatron.core.tensor_parallel.random"
 
@@ -25,7 +32,21 @@ def build_set(backend, original):
     return _set_cuda_rng_state
 
 
+def build_checkpoint_init(backend, original):
+    if getattr(sys.modules[MODULE], "HAVE_TE", True):
+        raise SkipPatch("Transformer Engine installed: Megatron's FP8 state manager is there")
+
+    def __init__(self, fp8=False):
+        if fp8:
+            raise RuntimeError("CheckpointWithoutOutput(fp8=True) needs Transformer Engine's FP8 state "
+                               "manager; Transformer Engine is not installed")
+        original(self, fp8)
+        self.fp8 = False
+    return __init__
+
+
 SPECS = [
+    PatchSpec(f"{MODULE}:CheckpointWithoutOutput.__init__", area="rng", build=build_checkpoint_init),
     PatchSpec(f"{MODULE}:_get_cuda_rng_state", area="rng", build=build_get, backends=("cpu", "npu")),
     PatchSpec(f"{MODULE}:_set_cuda_rng_state", area="rng", build=build_set, backends=("cpu", "npu")),
 ]

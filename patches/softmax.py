@@ -20,6 +20,8 @@ def build(backend, original):
             return original(self, input, mask, softmax_offset)
         window = self.window_size
         causal = window is None and mask is None and self.attn_mask_type == AttnMaskType.causal
+        if causal and input.size(2) > 1:  # Megatron's own contract (forward_torch_softmax)
+            assert input.size(2) == input.size(3), "causal mask is only for self attention"
         return softmax(input, None if window is not None else mask, self.scale, causal, window,
                        self.softmax_in_fp32 and self.input_in_float16)
     return forward

@@ -141,7 +141,10 @@ def _returns(value):
 CUDA_API = {
     "set_device": _returns(None),
     "current_device": lambda: 0,
-    "device_count": lambda: 1,  # 0 makes Megatron silently skip model-parallel initialisation
+    # One virtual device per local process, as on a GPU node where torchrun starts one rank per GPU
+    # (0 would make Megatron silently skip model-parallel initialisation). Megatron's unit tests
+    # read it as the world size (`Utils.set_world_size()`, `skipif(device_count() < 2)`).
+    "device_count": lambda: max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
     "synchronize": _returns(None),
     "Stream": _Stream,
     "Event": _Event,

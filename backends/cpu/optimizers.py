@@ -18,8 +18,21 @@ def make_adam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-
         raise ValueError("bias_correction=False is not supported by torch.optim Adam/AdamW")
     cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     report.ran("adam", f"{impl_name}.{cls.__name__}")
-    return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-               capturable=capturable, **impl_flags)
+    if lr is not None:
+        return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                   capturable=capturable, **impl_flags)
+    # lr=None: Megatron's OptimizerConfig default, which apex / TE FusedAdam take (the learning
+    # rate comes per param group or from Megatron's scheduler before the first step). torch.optim
+    # validates lr at construction: build with a placeholder, then leave None where none was given.
+    params = list(params)
+    explicit = [isinstance(p, dict) and p.get("lr") is not None for p in params]
+    opt = cls(params, lr=0.0, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+              capturable=capturable, **impl_flags)
+    opt.defaults["lr"] = None
+    for group, keep in zip(opt.param_groups, explicit if params and isinstance(params[0], dict) else [False]):
+        if not keep:
+            group["lr"] = None
+    return opt
 
 
 def Adam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,

@@ -40,3 +40,24 @@ def test_user_isa_cap_is_respected():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "user cap ONEDNN_MAX_CPU_ISA=AVX2" in proc.stdout
     assert "after revert AVX2" in proc.stdout
+
+
+def test_device_count_is_the_local_world_size():
+    """One virtual device per local rank (as torchrun on a GPU node): Megatron's unit tests read
+    torch.cuda.device_count() as the world size; revert gives torch's own answer back."""
+    import os
+
+    code = ("import torch, megatron_adapt\n"
+            "stock = torch.cuda.device_count()\n"
+            "megatron_adapt.apply('cpu')\n"
+            "print('count', torch.cuda.device_count())\n"
+            "megatron_adapt.revert()\n"
+            "print('reverted', torch.cuda.device_count() == stock)\n")
+    for local_world, expected in (("2", 2), (None, 1)):
+        env = {**os.environ, "MEGATRON_ADAPT_AUTO": "0", "MEGATRON_ADAPT_QUIET": "1"}
+        env.pop("LOCAL_WORLD_SIZE", None)
+        if local_world:
+            env["LOCAL_WORLD_SIZE"] = local_world
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"count {expected}" in proc.stdout and "reverted True" in proc.stdout, proc.stdout

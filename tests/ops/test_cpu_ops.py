@@ -247,3 +247,18 @@ def test_wgrad_accumulate_adds_the_weight_gradient_into_main_grad(dtype, shape):
     matmul.wgrad_accumulate(x, dy, main_grad)           # a second micro-batch
     expect += dy.double().t() @ x.double()
     torch.testing.assert_close(main_grad.double(), expect, atol=1e-4 * max(1, t ** 0.5), rtol=1e-5)
+
+
+def test_adam_takes_lr_none_like_fused_adam():
+    """Megatron's OptimizerConfig(lr=None) default reaches Adam(lr=None) (apex / TE FusedAdam take
+    it; the scheduler or the param group sets it): None stays where no group gave one."""
+    from megatron_adapt.backends.cpu.optimizers import Adam
+
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    opt = Adam([{"params": [a], "lr": 0.1}, {"params": [b]}], lr=None)
+    assert [g["lr"] for g in opt.param_groups] == [0.1, None] and opt.defaults["lr"] is None
+    opt.param_groups[1]["lr"] = 0.01  # as Megatron's scheduler does before the first step
+    a.grad, b.grad = torch.ones(2), torch.ones(3)
+    opt.step()
+    assert torch.allclose(a, torch.full((2,), 0.9)) and torch.allclose(b, torch.full((3,), 0.99))
+    assert Adam([a], lr=0.5).param_groups[0]["lr"] == 0.5

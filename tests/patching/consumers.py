@@ -70,6 +70,36 @@ def check(name):
     return deco
 
 
+@check("package_versions")
+def _():
+    """Megatron's unit-test conftest asks is_te_min_version("1.3") in an autouse fixture, its test
+    modules is_fa_min_version(...) at import; the bert module holds its own alias of get_te_version.
+    Without the packages: 0.0.0, never a TypeError / ModuleNotFoundError."""
+    import importlib.util
+
+    from megatron.core import utils
+    from megatron.core.models.bert import bert_model
+    from megatron_adapt.versions import in_range, megatron_core_version
+
+    version = megatron_core_version()
+    out = {"absent": {p: importlib.util.find_spec(p) is None
+                      for p in ("transformer_engine", "flash_attn", "mamba_ssm", "causal_conv1d")},
+           "bert_alias_ours": bert_model._get_te_version is utils.get_te_version}
+    helpers = ["te", "fa"] + (["mamba", "causal_conv1d"] if in_range(">=0.16.0", version) else [])
+    for name in helpers:
+        out[name] = {"version": str(getattr(utils, f"get_{name}_version")()),
+                     "min": getattr(utils, f"is_{name}_min_version")("1.0"),
+                     "min_0_strict": getattr(utils, f"is_{name}_min_version")("0.0.0", check_equality=False)}
+    if in_range(">=0.15.0,<0.17.0", version):
+        out["te_original_answers_none"] = original("megatron.core.utils:get_te_version")() is None
+    try:
+        original("megatron.core.utils:get_fa_version")()
+        out["fa_original_raises"] = False
+    except ModuleNotFoundError:
+        out["fa_original_raises"] = True
+    return out
+
+
 @check("cross_entropy")
 def _():
     model, config = make_model()
@@ -258,8 +288,24 @@ def _():
     plain = torch.rand(4)
     with tracker.fork():
         b = torch.rand(4)
+    from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+
+    x = torch.randn(4, 4, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()  # stock without TE: fp8 is True -> NameError in forward
+    y = ckpt.checkpoint(torch.nn.functional.gelu, x)
+    z = y * x
+    ckpt.discard_output_and_register_recompute(z)
+    z.sum().backward()
+    xr = x.detach().requires_grad_()
+    (torch.nn.functional.gelu(xr) * xr).sum().backward()
+    try:
+        CheckpointWithoutOutput(fp8=True)
+        fp8_refused = False
+    except RuntimeError as e:
+        fp8_refused = "Transformer Engine" in str(e)
     return {"fork_switches_state": not torch.equal(a, plain), "restores_default": torch.equal(outside, plain),
-            "fork_advances": not torch.equal(a, b)}
+            "fork_advances": not torch.equal(a, b), "checkpoint_without_output_grad_matches": close(x.grad, xr.grad),
+            "checkpoint_fp8_without_te_refused": fp8_refused}
 
 
 @check("jit")

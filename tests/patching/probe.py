@@ -48,6 +48,8 @@ ALIASES = {
     "megatron.core.fusions.fused_bias_swiglu:bias_swiglu_impl": ["megatron.core.transformer.mlp:bias_swiglu_impl"],
     "megatron.core.fusions.fused_bias_gelu:bias_gelu_impl": ["megatron.core.transformer.mlp:bias_gelu_impl"],
     "megatron.core.transformer.torch_norm:WrappedTorchNorm": ["megatron.core.models.backends:WrappedTorchNorm"],
+    "megatron.core.utils:get_te_version": ["megatron.core.models.bert.bert_model:_get_te_version",
+                                           "megatron.core.extensions.transformer_engine:get_te_version"],
     "megatron.core.utils:local_multi_tensor_l2_norm": ["megatron.core.optimizer.clip_grads:l2_norm_impl"],
     "megatron.core.utils:local_multi_tensor_scale": ["megatron.core.optimizer.clip_grads:multi_tensor_scale_impl"],
     "megatron.core.tensor_parallel.random:_set_cuda_rng_state": [],

@@ -10,9 +10,17 @@ from contract import PatchContract, probe, specs_of
 CONSUMERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "consumers.py")
 
 
+def _free_port():
+    import socket
+
+    with socket.socket() as s:  # a fixed port collides with other test runs on a shared machine
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 @lru_cache(maxsize=None)
 def consumers():
-    out = run_python([CONSUMERS]).stdout
+    out = run_python([CONSUMERS], env={"PROBE_PORT": _free_port()}).stdout
     line = next(l for l in out.splitlines() if l.startswith("PROBE-JSON:"))
     return json.loads(line[len("PROBE-JSON:"):])
 
@@ -21,6 +29,41 @@ def consumer(area):
     res = consumers()[area]
     assert "error" not in res, res["error"]
     return res
+
+
+class TestPackageVersions(PatchContract):
+    area = "package_versions"
+
+    def test_absent_packages_answer_zero_through_is_min_version_and_aliases(self):
+        res = consumer("package_versions")
+        assert all(res["absent"].values()), f"this test checks the answers without the packages: {res}"
+        assert res["fa_original_raises"], res  # Megatron's own helper, every supported release
+        if "te_original_answers_none" in res:  # 0.15-0.16 (then is_te_min_version raises TypeError)
+            assert res["te_original_answers_none"], res
+        for name in ("te", "fa", "mamba", "causal_conv1d"):
+            if name in res:
+                assert res[name] == {"version": "0.0.0", "min": False, "min_0_strict": False}, (name, res)
+        assert res["bert_alias_ours"], res
+
+    def test_installed_package_keeps_megatrons_answer_and_broken_one_raises(self, tmp_path):
+        """A package that is present keeps the original's answer (here: a fake flash_attn with a
+        __version__); one whose import fails is not reported "absent"."""
+        (tmp_path / "flash_attn").mkdir()
+        (tmp_path / "flash_attn" / "__init__.py").write_text("__version__ = '2.7.4'\n")
+        proc = run_python(
+            f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+            "import megatron_adapt; megatron_adapt.apply('cpu')\n"
+            "from megatron.core.utils import get_fa_version, is_fa_min_version\n"
+            "assert str(get_fa_version()) == '2.7.4' and is_fa_min_version('2.7.3'), get_fa_version()\n")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        (tmp_path / "flash_attn" / "__init__.py").write_text("raise ImportError('broken build')\n")
+        proc = run_python(
+            f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+            "import megatron_adapt; megatron_adapt.apply('cpu')\n"
+            "from megatron.core.utils import get_fa_version\n"
+            "try:\n    get_fa_version()\nexcept ImportError as e:\n    assert 'broken build' in str(e), e\n"
+            "else:\n    raise SystemExit('a broken flash_attn was answered')\n")
+        assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 class TestCrossEntropy(PatchContract):

@@ -1,0 +1,158 @@
+"""megatron_adapt.pytest_plugin against a miniature of Megatron-LM's tests/unit_tests layout (no
+checkout needed): a conftest that downloads and asks is_te_min_version, a Utils with
+initialize_model_parallel, a test module importing Transformer Engine's fp8 names at module level.
+The real suite runs in tests/megatron_lm/test_megatron_unit_tests.py."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+
+import pytest
+
+from megatron_adapt import pytest_plugin
+
+# The console script pip installed for this Python (its scripts directory), else the one on PATH.
+LAUNCHER = next((p for p in (os.path.join(sysconfig.get_path("scripts"), "megatron-adapt-run"),
+                             shutil.which("megatron-adapt-run")) if p and os.path.exists(p)), "megatron-adapt-run")
+
+CONFTEST = """
+import pytest
+from megatron.core.utils import is_te_min_version
+from tests.unit_tests.download import download_and_extract_asset
+from tests.unit_tests.test_utilities import Utils
+
+@pytest.fixture(scope="session", autouse=True)
+def ensure_test_data():
+    try:
+        download_and_extract_asset(assets_dir="/nonexistent")
+    except Exception as e:
+        print(f"Failed to download test data: {e}")
+        pytest.download_error = str(e)
+
+@pytest.fixture(autouse=True)
+def set_env():
+    assert not is_te_min_version("1.3")
+"""
+DOWNLOAD = "def download_and_extract_asset(assets_dir):\n    raise SystemExit('the network was used')\n"
+UTILITIES = """
+class Utils:
+    calls = []
+
+    @staticmethod
+    def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                  virtual_pipeline_model_parallel_size=None, **kwargs):
+        Utils.calls.append((tensor_model_parallel_size, pipeline_model_parallel_size, kwargs))
+"""
+TEST_MODULE = """
+import sys
+import pytest
+from transformer_engine.pytorch.fp8 import check_fp8_support, fp8_autocast
+from megatron.core.utils import is_te_min_version
+from tests.unit_tests.test_utilities import Utils
+
+TE_AT_IMPORT = is_te_min_version("1.0")
+
+def test_no_te_package_is_left_behind():
+    assert "transformer_engine" not in sys.modules and not TE_AT_IMPORT
+    import megatron.core.extensions.transformer_engine as te_ext
+    assert not te_ext.HAVE_TE
+
+def test_fp8_is_not_available():
+    ok, reason = check_fp8_support()
+    assert not ok and "not installed" in reason
+    with fp8_autocast(enabled=False):
+        pass
+    with pytest.raises(RuntimeError, match="FP8 is not available"):
+        with fp8_autocast(enabled=True):
+            pass
+
+def test_download_refused():
+    assert "no downloads" in pytest.download_error
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (4, 1), (2, 2)])
+def test_layouts(tp, pp):
+    Utils.initialize_model_parallel(tp, pp)
+    assert Utils.calls[-1][:2] == (tp, pp)
+
+def test_expert_layout():
+    Utils.initialize_model_parallel(1, 1, expert_model_parallel_size=4)
+
+def test_listed_in_the_skip_table():
+    raise AssertionError("the skip table should have skipped this")
+"""
+
+
+def make_tree(root):
+    files = {"tests/__init__.py": "", "tests/unit_tests/__init__.py": "",
+             "tests/unit_tests/conftest.py": CONFTEST, "tests/unit_tests/download.py": DOWNLOAD,
+             "tests/unit_tests/test_utilities.py": UTILITIES,
+             "tests/unit_tests/models/__init__.py": "",
+             "tests/unit_tests/models/test_gpt_model.py": TEST_MODULE}
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+def run_pytest(root, *args, launcher=True, **env):
+    cmd = ([LAUNCHER] if launcher else []) + [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                              "-rs", *args, "tests/unit_tests"]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_ADAPT_BACKEND": "cpu",
+                "MEGATRON_ADAPT_QUIET": "1", "WORLD_SIZE": "2", "PYTHONWARNINGS": "ignore"}
+    full_env.pop("MEGATRON_LM_PATH", None)
+    full_env.pop("MEGATRON_ADAPT_AUTO", None)
+    full_env.update(env)
+    return subprocess.run(cmd, cwd=root, env=full_env, capture_output=True, text=True, timeout=300)
+
+
+def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
+    make_tree(tmp_path)
+    # A skip-table entry for one test of this tree, as the real table has for Megatron's files.
+    table = tmp_path / "extra_skip.py"
+    table.write_text(textwrap.dedent("""
+        from megatron_adapt import pytest_plugin as p
+        p.SKIPS.append(p.Skip("tests/unit_tests/models/test_gpt_model.py::test_listed_in_*", "te",
+                              "exercises a TE module"))
+    """))
+    proc = run_pytest(tmp_path, "-p", "extra_skip", "-p", "megatron_adapt.pytest_plugin",
+                      "--megatron-adapt-json", str(tmp_path / "out" / "rank{rank}.json"),
+                      PYTHONPATH=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    assert report["backend"] == "cpu" and report["world_size"] == 2
+    tests = {k.split("::", 1)[1]: v for k, v in report["tests"].items()}
+    for name in ("test_no_te_package_is_left_behind", "test_fp8_is_not_available", "test_download_refused",
+                 "test_layouts[2-1]", "test_layouts[1-2]"):
+        assert tests[name]["outcome"] == "passed", (name, tests[name])
+    for name, need in (("test_layouts[4-1]", "TP4 x PP1 x CP1 needs a world size divisible by 4"),
+                       ("test_layouts[2-2]", "divisible by 4"), ("test_expert_layout", "EP4 x ETP1 x PP1")):
+        assert tests[name]["outcome"] == "skipped" and need in tests[name]["reason"], (name, tests[name])
+        assert tests[name]["reason"].startswith("[ranks]"), tests[name]
+    skipped = tests["test_listed_in_the_skip_table"]
+    assert skipped["outcome"] == "skipped" and skipped["reason"].startswith("[te] needs Transformer Engine"), skipped
+
+
+def test_plugin_is_inert_unless_enabled(tmp_path):
+    make_tree(tmp_path)
+    proc = run_pytest(tmp_path)
+    assert proc.returncode != 0 and "No module named 'transformer_engine'" in proc.stdout, proc.stdout[-3000:]
+    assert "the network was used" not in proc.stdout or "no downloads" not in proc.stdout
+
+
+def test_plugin_refuses_without_megatron_adapt_applied(tmp_path):
+    """`import megatron_adapt` (the plugin's own import) applies; MEGATRON_ADAPT_AUTO=0 says not to."""
+    make_tree(tmp_path)
+    proc = run_pytest(tmp_path, "-p", "megatron_adapt.pytest_plugin", launcher=False, MEGATRON_ADAPT_AUTO="0")
+    assert proc.returncode != 0 and "megatron-adapt is not applied" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_skip_table_entries_are_well_formed_and_give_a_reason():
+    assert pytest_plugin.SKIPS, "the skip table is empty"
+    for s in pytest_plugin.SKIPS:
+        assert s.pattern.startswith("tests/unit_tests/") and "::" in s.pattern or s.pattern.endswith(".py"), s
+        assert len(s.reason) > 20, s
+    with pytest.raises(ValueError, match="unknown skip category"):
+        pytest_plugin.Skip("tests/unit_tests/x.py", "flaky", "no such category")
