@@ -79,6 +79,10 @@ SKIPS: list[Skip] = [
     Skip(UT + "tensor_parallel/test_random.py::test_convert_cuda_rng_state", "cuda",
          "converts between plain and CUDA-graph-safe CUDA generator states "
          "(use_cudagraphable_rng=True)", backends=NOT_GPU),
+    Skip(UT + "tensor_parallel/test_random.py::test_convert_cuda_rng_state", "te",
+         "its last part forks TECudaRNGStatesTracker, which without TE derives from Megatron's "
+         "MagicMock stand-in for transformer_engine (megatron/core/extensions/transformer_engine.py): "
+         "not a working RNG tracker (H100: the assertion at test_random.py:129)", backends=("cuda",)),
     Skip(UT + "test_optimizer.py::test_chained_optimizer", "cuda",
          "moves optimizer state with .to('cuda') and asserts tensor.is_cuda: on the cpu backend "
          "'cuda' tensors are CPU tensors", backends=NOT_GPU),

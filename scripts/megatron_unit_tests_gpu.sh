@@ -19,7 +19,8 @@ if [ -n "${WHEELS:-}" ]; then PIP+=(--no-index --find-links "$WHEELS"); fi
 mkdir -p "$OUT"
 "${PIP[@]}" pytest pytest-mock mock six regex pyyaml pydantic psutil einops wrapt packaging setuptools wheel
 if [ -n "${MCORE_WHEEL:-}" ]; then "${PIP[@]}" --no-deps "$MCORE_WHEEL"; fi
-"${PIP[@]}" --no-deps --no-build-isolation -e "$HERE"
+# megatron-adapt from this checkout, unless this Python already imports it (e.g. from PYTHONPATH)
+"$PY" -c "import megatron_adapt.backends" 2>/dev/null || "${PIP[@]}" --no-deps --no-build-isolation -e "$HERE"
 "$PY" - <<'PYEOF' | tee "$OUT/environment.txt"
 import importlib.metadata as m, platform, torch
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
