@@ -108,11 +108,21 @@ def _provider_class(backend):
             return BackendNorm
 
         def linear(self):
-            raise NotImplementedError(
-                "this TE spec needs TE's duplicated (non-parallel) TELinear, which megatron-adapt's "
-                "provider has no local equivalent for; use --transformer-impl local")
+            return DuplicatedLinearUnavailable
 
     return AdaptSpecProvider
+
+
+class DuplicatedLinearUnavailable:
+    """What the provider's `linear()` names: TE's TELinear(parallel_mode="duplicated"), a linear
+    replicated on every TP rank (MLA's down projections), has no local equivalent here. Naming it
+    is allowed, so that specs (and modules listing them, as Megatron's MLA tests do at import) can be
+    built; building the layer is a clear error."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError(
+            "this TE spec needs TE's duplicated (non-parallel) TELinear, which megatron-adapt's "
+            "provider has no local equivalent for; use --transformer-impl local")
 
 
 class BackendResidualNorm:
