@@ -69,7 +69,11 @@ def main(tmp):
 
     async_dir = os.path.join(tmp, "async")
     os.makedirs(async_dir)
-    request = dist_checkpointing.save(model.sharded_state_dict(), async_dir, async_sharded_save=True)
+    try:   # megatron-core 0.19 defaults async saves to nvidia-resiliency-ext ("nvrx"); ours is "mcore"
+        request = dist_checkpointing.save(model.sharded_state_dict(), async_dir, async_sharded_save=True,
+                                          async_strategy="mcore")
+    except TypeError:   # releases without async_strategy
+        request = dist_checkpointing.save(model.sharded_state_dict(), async_dir, async_sharded_save=True)
     request.execute_sync()  # runs the writer, then every finalize function (Megatron's, then ours)
     res["async_modes"] = modes(async_dir)
 

@@ -84,7 +84,9 @@ def _():
     version = megatron_core_version()
     out = {"absent": {p: importlib.util.find_spec(p) is None
                       for p in ("transformer_engine", "flash_attn", "mamba_ssm", "causal_conv1d")},
-           "bert_alias_ours": bert_model._get_te_version is utils.get_te_version}
+           # the bert module's own alias (0.15-0.16; gone from later releases): None where absent
+           "bert_alias_ours": (bert_model._get_te_version is utils.get_te_version
+                               if hasattr(bert_model, "_get_te_version") else None)}
     helpers = ["te", "fa"] + (["mamba", "causal_conv1d"] if in_range(">=0.16.0", version) else [])
     for name in helpers:
         out[name] = {"version": str(getattr(utils, f"get_{name}_version")()),

@@ -122,7 +122,8 @@ def main(scenario):
     elif scenario == "revert":
         import_megatron()
         orig = originals()
-        alias_orig = {a: lookup(a) for t in ALIASES for a in ALIASES[t]}
+        targets = {s.target for s in SPECS}   # aliases of this release's patches only
+        alias_orig = {a: lookup(a) for t in ALIASES if t in targets for a in ALIASES[t]}
         import torch
         set_device = torch.cuda.set_device
         megatron_adapt.apply("cpu")
