@@ -122,6 +122,37 @@ def build_grouped_mlp_forward(backend, original):
 _linears: dict = {}
 
 
+class _StackExpertWeights(torch.autograd.Function):
+    """torch.stack of the per-expert weights [out, in] -> [E, out, in] for one grouped GEMM.
+
+    Backward, with `fuse` (config.gradient_accumulation_fusion and Megatron's DDP main_grad
+    buffers): the stacked weight gradient is added to every expert's `main_grad` in one
+    `_foreach_add_` and each weight gets a dummy grad flagged `grad_added_to_main_grad`, the protocol
+    of Megatron's own fused linears (and TE's fuse_wgrad_accumulation). Without it, each expert's
+    gradient is a contiguous slice (autograd keeps it as .grad without a copy). Per-expert
+    AccumulateGrad copies and DDP adds otherwise cost ~4 launches per expert per linear per micro-batch."""
+
+    @staticmethod
+    def forward(ctx, fuse, *weights):
+        ctx.fuse, ctx.weights = fuse, weights if fuse else None
+        return torch.stack(weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.fuse:
+            return (None, *grad.contiguous().unbind(0))
+        weights, ctx.weights = ctx.weights, None
+        torch._foreach_add_([w.main_grad for w in weights], list(grad.unbind(0)))
+        dummy = torch.empty_like(grad)
+        grads = []
+        for w, d in zip(weights, dummy.unbind(0)):
+            if getattr(w, "zero_out_wgrad", False):  # Megatron adds this one (its cuda-graph path)
+                d = torch.zeros_like(d)
+            w.grad_added_to_main_grad = True
+            grads.append(d)
+        return (None, *grads)
+
+
 def grouped_linear_classes(backend):
     """(column, row) grouped-linear builders for core_v0.17+'s TEGroupedMLP on the backend's
     grouped_gemm op, with the constructor, forward and checkpoint layout of TE's
@@ -194,8 +225,9 @@ def _grouped_linear_classes(backend):
                     self.register_parameter(f"bias{i}", b)
 
         def forward(self, x, m_splits):
-            w = torch.stack([getattr(self, f"weight{i}") for i in range(self.num_gemms)])
-            out = grouped_gemm(x, w, m_splits, True)
+            weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+            fuse = self.config.gradient_accumulation_fusion and all(hasattr(w, "main_grad") for w in weights)
+            out = grouped_gemm(x, _StackExpertWeights.apply(fuse, *weights), m_splits, True)
             if not self.use_bias:
                 return out, None
             biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]

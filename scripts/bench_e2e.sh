@@ -44,7 +44,7 @@ STOCK_FLAGS=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm
 if command -v megatron-adapt-run >/dev/null; then ADAPT=(megatron-adapt-run); else ADAPT=(python3 -m megatron_adapt.launcher); fi
 TORCHRUN=(python3 -m torch.distributed.run --nproc-per-node 1 --master-port 29561)
 
-lscpu | sed -n 's/^Model name: *//p' | head -1 > "$OUTDIR/host_cpu.txt" || true
+echo "$(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) vCPU" > "$OUTDIR/host_cpu.txt" || true
 nvidia-smi --query-gpu=name --format=csv,noheader -i 0 > "$OUTDIR/gpu.txt" 2>/dev/null || true
 
 peak_smi() {  # sample nvidia-smi's used memory (and SM busy %, dmon) while $1 runs; print the peak (MiB)

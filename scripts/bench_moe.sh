@@ -45,6 +45,9 @@ ALL_BUT_MOE=jit,rng,training,cross_entropy,norms,softmax,attention,rope,activati
 if command -v megatron-adapt-run >/dev/null; then ADAPT=(megatron-adapt-run); else ADAPT=(python3 -m megatron_adapt.launcher); fi
 TORCHRUN=(python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port 29561)
 
+echo "$(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) vCPU" > "$OUTDIR/host_cpu.txt" || true
+nvidia-smi --query-gpu=name --format=csv,noheader -i 0 > "$OUTDIR/gpu.txt" 2>/dev/null || true
+
 peak_smi() {  # sample nvidia-smi's used memory while the command runs; peak MiB into $1.smi_peak_mib
     local log=$1; shift; local peak=0
     "$@" > "$log" 2>&1 & local pid=$!

@@ -52,8 +52,13 @@ class _GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = torch._grouped_mm(dy, w.transpose(-2, -1), offs=offs)
         if ctx.needs_input_grad[1]:
-            # groups along the contraction: [k, T] x [T, n] -> [E, k, n]; empty groups give zeros
-            dw = torch._grouped_mm(x.t(), dy, offs=offs)
+            # groups along the contraction: [k, T] x [T, n] -> [E, k, n]; empty groups give zeros.
+            # w a transposed view ([E, n, k] storage, TE-layout weights): the gradient in that
+            # layout, so the weights' gradients come out contiguous
+            if w.transpose(-2, -1).is_contiguous():
+                dw = torch._grouped_mm(dy.t(), x, offs=offs).transpose(-2, -1)
+            else:
+                dw = torch._grouped_mm(x.t(), dy, offs=offs)
         return dx, dw, None
 
 

@@ -427,6 +427,30 @@ def _expert_weights(experts):
     return stacked(experts.linear_fc1), stacked(experts.linear_fc2)
 
 
+def _grouped_experts_fused_wgrad(experts, x, sizes, probs, g, w1_ref, w2_ref):
+    """0.17+ with gradient_accumulation_fusion and DDP's main_grad buffers: the weight gradients
+    land in main_grad (added to what is there), each weight flagged grad_added_to_main_grad."""
+    weights = [p for n, p in experts.named_parameters() if ".weight" in n]
+    for w in weights:
+        w.grad, w.grad_added_to_main_grad = None, False
+        w.main_grad = torch.ones(w.shape, dtype=torch.float32)
+    fusion, experts.config.gradient_accumulation_fusion = experts.config.gradient_accumulation_fusion, True
+    try:
+        y, _ = experts(x.detach(), sizes, probs.detach())
+        y.backward(g)
+    finally:
+        experts.config.gradient_accumulation_fusion = fusion
+    e = experts.num_local_experts
+    main1 = torch.stack([getattr(experts.linear_fc1, f"weight{i}").main_grad.t() for i in range(e)])
+    main2 = torch.stack([getattr(experts.linear_fc2, f"weight{i}").main_grad.t() for i in range(e)])
+    res = {"main_grad": close(main1 - 1, w1_ref.grad, 1e-5) and close(main2 - 1, w2_ref.grad, 1e-5),
+           "flagged": all(w.grad_added_to_main_grad for w in weights)}
+    for w in weights:
+        del w.main_grad, w.grad_added_to_main_grad
+        w.grad = None
+    return res
+
+
 def _grouped_experts_with_bias(config, sizes):
     """TEGroupedMLP with add_bias_linear (core_v0.17+) against a per-expert fp64 loop: fc1's bias
     is added per expert inside the grouped linear, fc2's returned and scaled by the probs."""
@@ -521,6 +545,7 @@ def _():
 
     if not hasattr(experts, "weight1"):  # 0.17+: the grouped linears' biases (fc1 added, fc2 returned)
         out["experts_with_bias"] = _grouped_experts_with_bias(config, sizes)
+        out["experts_fused_wgrad"] = _grouped_experts_fused_wgrad(experts, x, sizes, probs, g, w1, w2)
 
     # the whole layer: fused flags (backend ops) against Megatron's unfused code, same weights
     hidden = torch.randn(8, 2, 32)

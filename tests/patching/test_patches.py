@@ -302,6 +302,7 @@ class TestMoE(PatchContract):
                                               "AdaptRowParallelGroupedLinear"], res
             assert res["experts_with_bias"] == {"matches": True, "grads_match": True,
                                                 "bias_grads_nonzero": True}, res
+            assert res["experts_fused_wgrad"] == {"main_grad": True, "flagged": True}, res
         else:
             assert res["experts_class"] == "GroupedMLP", res
         assert res["grouped_gemm_calls"] == 2, res  # fc1 and fc2, fp32 (stock 0.16: bf16 only)
