@@ -22,7 +22,11 @@ Loaded without `-p` it does nothing (there is no entry point). Enabled, it:
 - gives process groups a collective timeout (`--megatron-adapt-pg-timeout`, 300 s) where the test
   sets none: a test that fails on one rank only then fails the other rank's collective in minutes,
   not after the default 30;
-- writes each test's outcome (passed / failed / skipped + reason / error) as JSON, one file per rank.
+- gives each test a time limit (`--megatron-adapt-test-timeout`, 600 s; 0: none): past it the test
+  fails with the limit in its message (SIGALRM), and if it cannot be interrupted (stuck in native
+  code) every thread's stack is dumped and the process exits a minute later;
+- writes each test's outcome (passed / failed / skipped + reason / error) as JSON, one file per rank,
+  after every test; a test still running is recorded as "running", so a killed run names it.
 """
 from __future__ import annotations
 
@@ -31,7 +35,9 @@ import contextlib
 import fnmatch
 import importlib
 import json
+import faulthandler
 import os
+import signal
 import sys
 import types
 from dataclasses import dataclass
@@ -43,7 +49,7 @@ CATEGORIES = {
     "ranks": "needs more ranks than this run has",
     "download": "needs a download (no network)",
     "cuda": "needs a CUDA device",
-    "rounding": "compares two Megatron kernels' bf16 rounding",
+    "rounding": "compares, bit for bit or at a bf16 tolerance, two computations that round differently",
     "internals": "asserts how Megatron's own implementation computes (the backend op computes it otherwise)",
 }
 
@@ -106,6 +112,12 @@ SKIPS: list[Skip] = [
          "weighted_bias_swiglu_impl (not patched) at atol 1e-3 / rtol 2e-2; the two round the "
          "backward differently (max |x.grad - fp64| over 20 seeds: ours 0.072, Megatron's "
          "unweighted 0.070, weighted 0.053); fp32 (input_dtype1) runs and passes", backends=NOT_GPU),
+    Skip(UT + "transformer/test_transformer_layer.py::TestParallelTransformerLayer::test_chunked_mlp",
+         "rounding", "asserts torch.equal of the layer with 1 and 4 MLP chunks (fp32); cuBLAS picks "
+         "another GEMM kernel for 16 rows than for 64 (H100: F.linear 64x12 @ 12x48 against four "
+         "16-row pieces differs by 1.9e-6 in plain PyTorch; the layer by 6.0e-8), so the two are "
+         "not bitwise equal on a GPU; on cpu it runs and passes", backends=("cuda",),
+         versions=">=0.17.0,<0.20.0"),  # core_v0.16.1's test_chunked_mlp compares nothing
 ]
 
 # Test modules that import these Transformer Engine names at module level; the plugin serves them
@@ -127,6 +139,8 @@ def pytest_addoption(parser):
                     help="write each test's outcome as JSON here ({rank} is replaced by the rank)")
     group.addoption("--megatron-adapt-pg-timeout", type=float, default=300.0,
                     help="seconds before a collective of a process group the test made times out")
+    group.addoption("--megatron-adapt-test-timeout", type=float, default=600.0,
+                    help="seconds a test may run before it fails (0: no limit)")
 
 
 def _backend_and_version():
@@ -204,6 +218,8 @@ class _Plugin:
 
     def pytest_runtest_logreport(self, report):
         rec = self.outcomes.setdefault(report.nodeid, {"outcome": "passed"})
+        if rec["outcome"] == "running":
+            rec["outcome"] = "passed"
         if report.skipped and report.when in ("setup", "call"):
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             rec.update(outcome="skipped", reason=reason.removeprefix("Skipped: "))
@@ -212,6 +228,27 @@ class _Plugin:
                 rec.update(outcome="failed", message=_short(report.longreprtext))
             elif rec["outcome"] != "failed":
                 rec.update(outcome="error", when=report.when, message=_short(report.longreprtext))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        self.outcomes[item.nodeid] = {"outcome": "running"}
+        self._write()
+        limit = self.config.getoption("--megatron-adapt-test-timeout")
+        if not limit or not hasattr(signal, "SIGALRM"):
+            return (yield)
+
+        def expired(signum, frame):
+            raise TimeoutError(f"megatron_adapt.pytest_plugin: {item.nodeid} ran past its time limit "
+                               f"of {limit:g} s (--megatron-adapt-test-timeout)")
+        previous = signal.signal(signal.SIGALRM, expired)
+        signal.setitimer(signal.ITIMER_REAL, limit)
+        faulthandler.dump_traceback_later(limit + 60, exit=True)
+        try:
+            return (yield)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            faulthandler.cancel_dump_traceback_later()
+            signal.signal(signal.SIGALRM, previous)
 
     def pytest_runtest_logfinish(self, nodeid, location):
         self._write()  # after every test: a run killed by its time limit still has its counts

@@ -54,7 +54,8 @@ def run(name, targets, args, lm):
     cmd = [launcher, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
            "--master-port", str(args.master_port), "--tee", "3",
            "-m", "pytest", "-q", "-rs", "--maxfail=1000000", "--continue-on-collection-errors", "-p", "no:cacheprovider", "-p", "megatron_adapt.pytest_plugin",
-           "--megatron-adapt-json", os.path.join(out, "rank{rank}.json"), *args.pytest_args, *targets]
+           "--megatron-adapt-json", os.path.join(out, "rank{rank}.json"),
+           "--megatron-adapt-test-timeout", str(args.test_timeout), *args.pytest_args, *targets]
     env = dict(os.environ, MEGATRON_LM_PATH=lm, MEGATRON_ADAPT_BACKEND=args.backend,
                MEGATRON_ADAPT_QUIET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env.pop("MEGATRON_ADAPT_AUTO", None)  # these runs are under megatron-adapt by definition
@@ -75,6 +76,9 @@ def run(name, targets, args, lm):
             with open(path) as f:
                 data = json.load(f)
             reports[rank] = data["tests"]
+            for nodeid, rec in data["tests"].items():  # the test the run stopped in
+                if rec["outcome"] == "running":
+                    rec.update(outcome="error", message=f"still running when the run ended (rc={rc})")
             if not data.get("finished"):
                 print(f"   rank {rank}: the run stopped before the session finished (rc={rc}); "
                       "counts are of the tests that ran")
@@ -112,6 +116,7 @@ def main(argv=None) -> int:
     p.add_argument("--files", nargs="*", default=[], help="more test files or node ids (relative to the checkout)")
     p.add_argument("--dirs", nargs="*", default=[], help="tests/unit_tests subdirectories, one run each")
     p.add_argument("--run-timeout", type=int, default=3600)
+    p.add_argument("--test-timeout", type=float, default=600, help="seconds a test may run (0: no limit)")
     p.add_argument("--master-port", type=int, default=29571)
     p.add_argument("--pytest-args", nargs="*", default=[])
     args = p.parse_args(argv)

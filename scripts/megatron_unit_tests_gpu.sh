@@ -4,7 +4,7 @@
 # each run's pytest.log and per-rank JSON) under $OUT; the counts are also printed.
 #
 #   MEGATRON_LM_PATH=<Megatron-LM checkout, tag core_v<installed megatron-core>> OUT=<dir> \
-#     [MCORE_WHEEL=<megatron_core-*.whl>] [WHEELS=<dir of wheels>] bash scripts/megatron_unit_tests_gpu.sh
+#     [MCORE_WHEEL=<megatron_core-*.whl>] [WHEELS=<dir of wheels>] [RUN_TIMEOUT=s] [TEST_TIMEOUT=s] bash scripts/megatron_unit_tests_gpu.sh
 #
 # On a machine without network: WHEELS names a directory holding every wheel to install
 # (`.gpu-wheels/`, filled by `pip download` as docs/megatron-unit-tests.md says); MCORE_WHEEL the
@@ -34,9 +34,9 @@ PYEOF
 NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 rc=0
 "$PY" "$HERE/scripts/megatron_unit_tests.py" --backend cuda --nproc 1 --out "$OUT/cuda-1gpu" \
-    --run-timeout "${RUN_TIMEOUT:-1500}" 2>&1 | tee "$OUT/cuda-1gpu.txt" || rc=$?
+    --run-timeout "${RUN_TIMEOUT:-1500}" --test-timeout "${TEST_TIMEOUT:-600}" 2>&1 | tee "$OUT/cuda-1gpu.txt" || rc=$?
 if [ "$NGPU" -ge 2 ]; then
   "$PY" "$HERE/scripts/megatron_unit_tests.py" --backend cuda --nproc 2 --out "$OUT/cuda-2gpu" \
-      --run-timeout "${RUN_TIMEOUT:-1500}" 2>&1 | tee "$OUT/cuda-2gpu.txt" || rc=$?
+      --run-timeout "${RUN_TIMEOUT:-1500}" --test-timeout "${TEST_TIMEOUT:-600}" 2>&1 | tee "$OUT/cuda-2gpu.txt" || rc=$?
 fi
 exit $rc

@@ -156,3 +156,24 @@ def test_skip_table_entries_are_well_formed_and_give_a_reason():
         assert len(s.reason) > 20, s
     with pytest.raises(ValueError, match="unknown skip category"):
         pytest_plugin.Skip("tests/unit_tests/x.py", "flaky", "no such category")
+
+
+def test_a_test_past_its_time_limit_fails_and_the_run_goes_on(tmp_path):
+    make_tree(tmp_path)
+    (tmp_path / "tests" / "unit_tests" / "test_slow.py").write_text(textwrap.dedent("""
+        import time
+
+        def test_hangs():
+            time.sleep(120)
+
+        def test_after():
+            pass
+    """))
+    proc = run_pytest(tmp_path, "-p", "megatron_adapt.pytest_plugin", "--megatron-adapt-test-timeout", "3",
+                      "--megatron-adapt-json", str(tmp_path / "out" / "rank{rank}.json"), "-k", "slow")
+    report = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    tests = {k.split("::", 1)[1]: v for k, v in report["tests"].items()}
+    assert tests["test_hangs"]["outcome"] == "failed", tests
+    assert "ran past its time limit of 3 s" in tests["test_hangs"]["message"], tests["test_hangs"]
+    assert tests["test_after"]["outcome"] == "passed" and report["finished"], tests
+    assert proc.returncode == 1, proc.stdout[-3000:]
