@@ -40,29 +40,7 @@ LAUNCHER=${LAUNCHER:-megatron-adapt-run}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 
-SHAPE_ORDER=SBH; PRE=""; NEXT=""; EXTRA=()
-while [[ $# -gt 0 ]]; do
-    case "$1" in
-        --shape_order=*|--shape-order=*) SHAPE_ORDER="${1#*=}" ;;
-        --shape_order|--shape-order) SHAPE_ORDER="${2:?--shape_order needs SBH or BSH}"; shift ;;
-        --pre=*) PRE="${1#*=}" ;;
-        --pre) PRE="${2:?--pre needs N}"; shift ;;
-        --next=*) NEXT="${1#*=}" ;;
-        --next) NEXT="${2:?--next needs N}"; shift ;;
-        *) EXTRA+=("$1") ;;
-    esac
-    shift
-done
-
-case "${SHAPE_ORDER^^}" in
-    SBH) export MEGATRON_ADAPT_ATTENTION_LAYOUT=sbhd ;;
-    BSH) export MEGATRON_ADAPT_ATTENTION_LAYOUT=bshd ;;
-    *) echo "evaluate_lambada.sh: --shape_order must be SBH or BSH, got '$SHAPE_ORDER'" >&2; exit 2 ;;
-esac
-
-if [[ -z "${MASTER_PORT:-}" ]]; then
-    MASTER_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/common_args.sh"
 
 ARGS=(
     --load "$LOAD" --use-checkpoint-args --lambada-data "$LAMBADA_DATA"
