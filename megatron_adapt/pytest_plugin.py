@@ -194,7 +194,7 @@ class _Plugin:
     # -- skips and the TE shim ---------------------------------------------------------------
     def pytest_collection_modifyitems(self, config, items):
         for item in items:
-            reason = skip_reason(item.nodeid, self.skips)
+            reason = skip_reason(item.nodeid, self.skips) or _layout_from_params(item)
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
 
@@ -275,6 +275,30 @@ def _short(text: str, limit: int = 1500) -> str:
 
 def _relpath(node) -> str:
     return os.path.relpath(str(node.path), str(node.config.rootpath)).replace(os.sep, "/")
+
+
+_LAYOUT_PARAMS = {"tp": ("tp", "tp_size", "tensor_model_parallel_size"),
+                  "pp": ("pp", "pp_size", "pipeline_model_parallel_size"),
+                  "cp": ("cp", "cp_size", "context_parallel_size")}
+
+
+def _layout_from_params(item) -> str | None:
+    """A [ranks] skip decided at collection from the test's own parameters (tp / pp / cp): Megatron's
+    parametrised parallel tests often build and checkpoint a baseline model first and reach
+    Utils.initialize_model_parallel with the layout only afterwards (test_attention's
+    correctness tests: ~25 s a case on cpu before the runtime guard skips it)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    sizes = {}
+    for axis, names in _LAYOUT_PARAMS.items():
+        value = next((params[n] for n in names if n in params), 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return None
+        sizes[axis] = value
+    need, world = sizes["tp"] * sizes["pp"] * sizes["cp"], _world()
+    if need == 1 or world % need == 0:
+        return None
+    return (f"[ranks] {CATEGORIES['ranks']}: parametrised TP{sizes['tp']} x PP{sizes['pp']} x "
+            f"CP{sizes['cp']} needs a world size divisible by {need}, this run has {world}")
 
 
 def _guard_world_size(utils_cls):

@@ -80,6 +80,12 @@ def test_layouts(tp, pp):
 def test_expert_layout():
     Utils.initialize_model_parallel(1, 1, expert_model_parallel_size=4)
 
+@pytest.mark.parametrize("tp,cp", [(1, 4), (2, 1)])
+def test_baseline_first(tp, cp):
+    # Megatron's correctness tests build a baseline model before asking for the layout:
+    # a layout the world cannot hold is skipped from the parameters, before the test runs
+    assert tp * cp <= 2, "ran a layout the world size cannot hold"
+
 def test_listed_in_the_skip_table():
     raise AssertionError("the skip table should have skipped this")
 """
@@ -131,6 +137,9 @@ def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
                        ("test_layouts[2-2]", "divisible by 4"), ("test_expert_layout", "EP4 x ETP1 x PP1")):
         assert tests[name]["outcome"] == "skipped" and need in tests[name]["reason"], (name, tests[name])
         assert tests[name]["reason"].startswith("[ranks]"), tests[name]
+    assert tests["test_baseline_first[2-1]"]["outcome"] == "passed", tests
+    param_skip = tests["test_baseline_first[1-4]"]
+    assert param_skip["outcome"] == "skipped" and "parametrised TP1 x PP1 x CP4" in param_skip["reason"], param_skip
     skipped = tests["test_listed_in_the_skip_table"]
     assert skipped["outcome"] == "skipped" and skipped["reason"].startswith("[te] needs Transformer Engine"), skipped
 
