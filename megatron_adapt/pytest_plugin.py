@@ -295,11 +295,16 @@ def _layout_from_params(item) -> str | None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             return None
         sizes[axis] = value
-    need, world = sizes["tp"] * sizes["pp"] * sizes["cp"], _world()
-    if need == 1 or world % need == 0:
+    return _ranks_reason(sizes["tp"] * sizes["pp"] * sizes["cp"],
+                         f"parametrised TP{sizes['tp']} x PP{sizes['pp']} x CP{sizes['cp']}")
+
+
+def _ranks_reason(need: int, what: str) -> str | None:
+    """The [ranks] skip reason when `what` (a layout of `need` ranks) does not fit this world."""
+    world = _world()
+    if world % need == 0:
         return None
-    return (f"[ranks] {CATEGORIES['ranks']}: parametrised TP{sizes['tp']} x PP{sizes['pp']} x "
-            f"CP{sizes['cp']} needs a world size divisible by {need}, this run has {world}")
+    return f"[ranks] {CATEGORIES['ranks']}: {what} needs a world size divisible by {need}, this run has {world}"
 
 
 def _guard_world_size(utils_cls):
@@ -313,11 +318,10 @@ def _guard_world_size(utils_cls):
         cp = kwargs.get("context_parallel_size", 1)
         ep = kwargs.get("expert_model_parallel_size", 1)
         etp = kwargs.get("expert_tensor_parallel_size") or tp
-        world = _world()
         for need, what in ((tp * pp * cp, f"TP{tp} x PP{pp} x CP{cp}"), (ep * etp * pp, f"EP{ep} x ETP{etp} x PP{pp}")):
-            if world % need:
-                pytest.skip(f"[ranks] {CATEGORIES['ranks']}: {what} needs a world size divisible by "
-                            f"{need}, this run has {world}")
+            reason = _ranks_reason(need, what)
+            if reason:
+                pytest.skip(reason)
         return original(tensor_model_parallel_size, pipeline_model_parallel_size,
                         virtual_pipeline_model_parallel_size, **kwargs)
     initialize_model_parallel._megatron_adapt_guard = True

@@ -501,9 +501,9 @@ def build_router_scores(backend, original):
         if not _fused(args, kwargs, 3):
             return wrapped(*args, **kwargs)
         a = _bind(wrapped, args, kwargs)
-        if a["score_function"] not in ("softmax", "sigmoid"):
-            report.fell_back("moe_router_scores", "megatron.compute_routing_scores_for_aux_loss",
-                             f"score_function={a['score_function']!r}: the backend op has softmax and sigmoid")
+        why = _unfused_reason(a)
+        if why:
+            report.fell_back("moe_router_scores", "megatron.compute_routing_scores_for_aux_loss", why)
             return wrapped(**dict(a, fused=False))
         routing_map, s = scores(a["logits"], a["topk"], a["score_function"])
         mask = a.get("padding_mask")

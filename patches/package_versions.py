@@ -35,13 +35,12 @@ def _absent(package: str) -> bool:
 
 def helper_for(package: str):
     def build(backend, original):
-        absent = []
+        absent = False
 
         def get_version():
-            if absent:
-                return ABSENT
-            if _absent(package):
-                absent.append(True)
+            nonlocal absent
+            if absent or _absent(package):
+                absent = True
                 return ABSENT
             version = original()
             if version is None:  # 0.15-0.16 get_te_version: TE present but not importable

@@ -94,21 +94,27 @@ def train_bpe(texts: list[str], num_merges: int) -> tuple[dict[str, int], list[t
         merges.append(best)
         merged = {}
         for w, c in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
-                    out.append(w[i] + w[i + 1])
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            merged[tuple(out)] = merged.get(tuple(out), 0) + c
+            out = _merge_pair(w, best)
+            merged[out] = merged.get(out, 0) + c
         words = merged
     vocab = {s: i for i, s in enumerate(bytes_to_unicode().values())}
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
     vocab[EOT] = len(vocab)
     return vocab, merges
+
+
+def _merge_pair(symbols, pair) -> tuple:
+    """symbols with every adjacent occurrence of `pair` joined into one symbol, left to right."""
+    out, i = [], 0
+    while i < len(symbols):
+        if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == pair:
+            out.append(symbols[i] + symbols[i + 1])
+            i += 2
+        else:
+            out.append(symbols[i])
+            i += 1
+    return tuple(out)
 
 
 def write_tokenizer(directory: str, vocab: dict[str, int], merges: list[tuple[str, str]]) -> tuple[str, str]:
@@ -131,15 +137,7 @@ def encode(text: str, vocab: dict[str, int], merges: list[tuple[str, str]]) -> l
             pair = min(zip(parts, parts[1:]), key=lambda p: ranks.get(p, float("inf")))
             if pair not in ranks:
                 break
-            out, i = [], 0
-            while i < len(parts):
-                if i + 1 < len(parts) and (parts[i], parts[i + 1]) == pair:
-                    out.append(parts[i] + parts[i + 1])
-                    i += 2
-                else:
-                    out.append(parts[i])
-                    i += 1
-            parts = out
+            parts = _merge_pair(parts, pair)
         ids.extend(vocab[p] for p in parts)
     return ids
 

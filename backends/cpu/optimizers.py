@@ -25,12 +25,13 @@ def make_adam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-
     # rate comes per param group or from Megatron's scheduler before the first step). torch.optim
     # validates lr at construction: build with a placeholder, then leave None where none was given.
     params = list(params)
-    explicit = [isinstance(p, dict) and p.get("lr") is not None for p in params]
+    groups_given = bool(params) and isinstance(params[0], dict)
+    given = [g.get("lr") for g in params] if groups_given else [None]   # per param group
     opt = cls(params, lr=0.0, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
               capturable=capturable, **impl_flags)
     opt.defaults["lr"] = None
-    for group, keep in zip(opt.param_groups, explicit if params and isinstance(params[0], dict) else [False]):
-        if not keep:
+    for group, group_lr in zip(opt.param_groups, given):
+        if group_lr is None:
             group["lr"] = None
     return opt
 
