@@ -26,6 +26,7 @@ STANDARD_LAYOUT = {
     "swiglu": ".activations:swiglu",
     "bias_swiglu": ".activations:bias_swiglu",
     "bias_gelu": ".activations:bias_gelu",
+    "bias_dropout_add": ".dropout:bias_dropout_add",
     "adam": ".optimizers:Adam",
     "sgd": ".optimizers:SGD",
     "multi_tensor_l2norm": ".multi_tensor:l2norm",

@@ -20,6 +20,8 @@ rope                        (t[s, b, h, d], freqs[s, 1, 1, r] angles (r <= d), i
 swiglu                      (x[..., 2f]) -> silu(x[..., :f]) * x[..., f:]
 bias_swiglu                 (x, bias) -> swiglu(x + bias)
 bias_gelu                   (bias, y) -> gelu_tanh(y + bias)
+bias_dropout_add            (x, bias[h] | None, residual (x's shape and dtype), prob: float) -> residual +
+                            dropout(x + bias, prob), training mode; masks from the default generator
 adam                        optimizer class, apex FusedAdam signature (params, lr, betas, eps,
                              weight_decay, adam_w_mode=True, ...)
 sgd                         optimizer class, torch.optim.SGD signature
@@ -52,7 +54,7 @@ rng_set_state               (state) -> None
 
 OPS = (
     "vocab_parallel_cross_entropy", "rms_norm", "layer_norm", "scaled_masked_softmax", "attention",
-    "rope", "swiglu", "bias_swiglu", "bias_gelu", "adam", "sgd", "multi_tensor_l2norm",
+    "rope", "swiglu", "bias_swiglu", "bias_gelu", "bias_dropout_add", "adam", "sgd", "multi_tensor_l2norm",
     "multi_tensor_scale", "wgrad_accumulate", "grouped_gemm", "moe_permute", "moe_unpermute",
     "moe_sort_chunks", "moe_topk_router", "moe_router_scores", "rng_get_state", "rng_set_state",
 )

@@ -15,6 +15,7 @@ AREAS = (
     "attention",
     "rope",
     "activations",
+    "bias_dropout_add",
     "optimizer",
     "checkpointing",
     "checkpoint_hardening",

@@ -142,6 +142,15 @@ def cases(dev, dt, ours):
     add("bias_gelu", "ours", lambda b, y: ours("bias_gelu")(b, y), [b, x])
     add("bias_gelu", "torch add+gelu", lambda b, y: F.gelu(y + b, approximate="tanh"), [b, x])
 
+    xd, rd = r(T, H), r(T, H)
+    add("bias_dropout_add", "ours", lambda x, b, res: ours("bias_dropout_add")(x, b, res, 0.1), [xd, b, rd])
+
+    def torch_bda(x, b, res):  # Megatron's _bias_dropout_add_func in training
+        return res + F.dropout(x + b, p=0.1, training=True)
+    add("bias_dropout_add", "torch add+dropout+add", torch_bda, [xd, b, rd])
+    if dev.type == "cuda":
+        add("bias_dropout_add", "torch.compile (Megatron's)", torch.compile(torch_bda), [xd, b, rd])
+
     s_, bb, hh, d = 4, 2, 4, 32
     q = r(s_, bb, hh, d)
     freqs = torch.randn(s_, 1, 1, d, device=dev)

@@ -272,6 +272,28 @@ def bench_swiglu(be, args, dev):
         record("swiglu", shape, "liger", fwd_bwd(lambda: LigerSiLUMulFunction.apply(a, b), [a, b], dy), nb, model)
 
 
+def bench_dropout(be, args, dev):
+    """Bias-dropout-add in training, p = 0.1 (Megatron's default hidden dropout)."""
+    t, h, p = args.tokens, args.hidden, 0.1
+    x, r = [torch.randn(t, h, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
+    b = torch.randn(h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+    nb = 5 * t * h * 2
+    model = "fwd r x,res w out; bwd r dout w dx = 5*T*H*2B (a stored mask adds T*H*1B twice)"
+    shape = f"{t}x{h} bf16 p={p}"
+    op = ours(be, "bias_dropout_add")
+    record("bias_dropout_add", shape, "ours", fwd_bwd(lambda: op(x, b, r, p), [x, b, r], dy), nb, model)
+    record("bias_dropout_add", shape + " no bias", "ours", fwd_bwd(lambda: op(x, None, r, p), [x, r], dy), nb, model)
+
+    def eager(x, b, r):  # Megatron's _bias_dropout_add_func in training
+        return r + F.dropout(x + b, p=p, training=True)
+    record("bias_dropout_add", shape, "torch_eager", fwd_bwd(lambda: eager(x, b, r), [x, b, r], dy), nb, model)
+    c = maybe_compile(eager, args)
+    if c:
+        record("bias_dropout_add", shape, "megatron_stock", fwd_bwd(lambda: c(x, b, r), [x, b, r], dy), nb,
+               model, note="Megatron's bias_dropout_add_fused_train: torch.compile of the eager function")
+
+
 def bench_rope(be, args, dev):
     from megatron_adapt.backends.cpu.rope import rope as megatron_rope  # Megatron's bshd formula
     b, h, d = 4, args.hidden // 128, 128
@@ -435,7 +457,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="cuda", choices=["cuda"])
     p.add_argument("--out", required=True)
-    p.add_argument("--ops", default="norms,softmax,swiglu,rope,ce,attention,adam,multi_tensor",
+    p.add_argument("--ops", default="norms,softmax,swiglu,dropout,rope,ce,attention,adam,multi_tensor",
                    help="comma-separated subset of the default list")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--hidden", type=int, default=4096)
@@ -452,7 +474,7 @@ def main(argv=None):
     dev = torch.device("cuda")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, liger: {liger()}", flush=True)
     measure_copy(dev)
-    table = dict(norms=bench_norms, softmax=bench_softmax, swiglu=bench_swiglu, rope=bench_rope,
+    table = dict(norms=bench_norms, softmax=bench_softmax, swiglu=bench_swiglu, dropout=bench_dropout, rope=bench_rope,
                  ce=bench_ce, attention=bench_attention, adam=bench_adam, multi_tensor=bench_multi_tensor)
     for name in args.ops.split(","):
         print(f"[{name}]", flush=True)

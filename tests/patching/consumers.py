@@ -226,6 +226,26 @@ def _():
     return out
 
 
+@check("bias_dropout_add")
+def _():
+    from megatron.core.fusions import fused_bias_dropout
+    model, _ = make_model(hidden_dropout=0.3, bias_dropout_fusion=True)
+    layer = model.decoder.layers[0]
+    layer.train()
+    before = counted("bias_dropout_add")
+    y, _ = layer(torch.randn(16, 2, 32), attention_mask=None)
+    calls = counted("bias_dropout_add") - before
+    x, b, r = torch.randn(16, 2, 32), torch.randn(32), torch.randn(16, 2, 32)
+    torch.manual_seed(3)
+    mine = fused_bias_dropout.get_bias_dropout_add(True, True)((x, b), r, 0.3)
+    torch.manual_seed(3)
+    ref = original("megatron.core.fusions.fused_bias_dropout:bias_dropout_add_fused_train")((x, b), r, 0.3)
+    mixed = fused_bias_dropout.get_bias_dropout_add(True, True)((x.bfloat16(), b.bfloat16()), r, 0.0)
+    return {"calls": calls, "layer_ran": bool(torch.isfinite(y).all()), "matches": torch.equal(mine, ref),
+            "dropped": round((mine == r).float().mean().item(), 2),
+            "mixed_dtypes_kept_megatrons": sorted(report.op_counts()["bias_dropout_add"])}
+
+
 @check("optimizer")
 def _():
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

@@ -122,6 +122,16 @@ class TestActivations(PatchContract):
             assert res[op]["calls"] >= 1 and res[op]["matches"], res
 
 
+class TestBiasDropoutAdd(PatchContract):
+    area = "bias_dropout_add"
+
+    def test_reached_through_transformer_layer(self):
+        res = consumer("bias_dropout_add")
+        assert res["calls"] == 2 and res["layer_ran"] and res["matches"], res  # attention and MLP
+        assert 0.2 <= res["dropped"] <= 0.4, res
+        assert res["mixed_dtypes_kept_megatrons"] == ["cpu.torch", "megatron.bias_dropout_add_fused_train"], res
+
+
 class TestOptimizer(PatchContract):
     area = "optimizer"
 
