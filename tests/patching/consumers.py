@@ -240,9 +240,13 @@ def _():
     mine = fused_bias_dropout.get_bias_dropout_add(True, True)((x, b), r, 0.3)
     torch.manual_seed(3)
     ref = original("megatron.core.fusions.fused_bias_dropout:bias_dropout_add_fused_train")((x, b), r, 0.3)
+    bq = b.clone().requires_grad_()
+    expanded = fused_bias_dropout.get_bias_dropout_add(True, True)((x, bq.expand_as(r)), r, 0.0)
+    expanded.sum().backward()
     mixed = fused_bias_dropout.get_bias_dropout_add(True, True)((x.bfloat16(), b.bfloat16()), r, 0.0)
     return {"calls": calls, "layer_ran": bool(torch.isfinite(y).all()), "matches": torch.equal(mine, ref),
             "dropped": round((mine == r).float().mean().item(), 2),
+            "expanded_bias": close(expanded, x + b + r) and bool((bq.grad == 32).all()),
             "mixed_dtypes_kept_megatrons": sorted(report.op_counts()["bias_dropout_add"])}
 
 

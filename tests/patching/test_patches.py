@@ -128,7 +128,7 @@ class TestBiasDropoutAdd(PatchContract):
     def test_reached_through_transformer_layer(self):
         res = consumer("bias_dropout_add")
         assert res["calls"] == 2 and res["layer_ran"] and res["matches"], res  # attention and MLP
-        assert 0.2 <= res["dropped"] <= 0.4, res
+        assert 0.2 <= res["dropped"] <= 0.4 and res["expanded_bias"], res
         assert res["mixed_dtypes_kept_megatrons"] == ["cpu.torch", "megatron.bias_dropout_add_fused_train"], res
 
 
