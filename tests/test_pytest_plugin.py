@@ -45,6 +45,10 @@ class Utils:
     def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                   virtual_pipeline_model_parallel_size=None, **kwargs):
         Utils.calls.append((tensor_model_parallel_size, pipeline_model_parallel_size, kwargs))
+
+    @staticmethod
+    def fake_initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, **kwargs):
+        Utils.calls.append(("fake", tensor_model_parallel_size, pipeline_model_parallel_size))
 """
 TEST_MODULE = """
 import sys
@@ -85,6 +89,11 @@ def test_baseline_first(tp, cp):
     # Megatron's correctness tests build a baseline model before asking for the layout:
     # a layout the world cannot hold is skipped from the parameters, before the test runs
     assert tp * cp <= 2, "ran a layout the world size cannot hold"
+
+@pytest.mark.parametrize("tp,pp", [(1, 4)])
+def test_faked_layout(tp, pp):
+    # Megatron's layout tests fake the ranks (fake_initialize_model_parallel): one process serves
+    Utils.fake_initialize_model_parallel(tp, pp)
 
 def test_listed_in_the_skip_table():
     raise AssertionError("the skip table should have skipped this")
@@ -140,6 +149,7 @@ def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
     assert tests["test_baseline_first[2-1]"]["outcome"] == "passed", tests
     param_skip = tests["test_baseline_first[1-4]"]
     assert param_skip["outcome"] == "skipped" and "parametrised TP1 x PP1 x CP4" in param_skip["reason"], param_skip
+    assert tests["test_faked_layout[1-4]"]["outcome"] == "passed", tests
     skipped = tests["test_listed_in_the_skip_table"]
     assert skipped["outcome"] == "skipped" and skipped["reason"].startswith("[te] needs Transformer Engine"), skipped
 
