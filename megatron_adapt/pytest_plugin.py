@@ -38,6 +38,7 @@ import inspect
 import json
 import faulthandler
 import os
+import re
 import signal
 import sys
 import types
@@ -288,10 +289,10 @@ def _layout_from_params(item) -> str | None:
     """A [ranks] skip decided at collection from the test's own parameters (tp / pp / cp): Megatron's
     parametrised parallel tests often build and checkpoint a baseline model first and reach
     Utils.initialize_model_parallel with the layout only afterwards (test_attention's
-    correctness tests: ~25 s a case on cpu before the runtime guard skips it). A test that fakes its
-    layout (`fake_initialize_model_parallel`, as the pipeline-layout tests do) runs in any world."""
+    correctness tests: ~25 s a case on cpu before the runtime guard skips it). Only for tests that
+    set the layout up for real (`_initialises_layout`)."""
     params = getattr(getattr(item, "callspec", None), "params", {})
-    if params and _fakes_layout(item):
+    if not params or not _initialises_layout(item):
         return None
     sizes = {}
     for axis, names in _LAYOUT_PARAMS.items():
@@ -303,11 +304,25 @@ def _layout_from_params(item) -> str | None:
                          f"parametrised TP{sizes['tp']} x PP{sizes['pp']} x CP{sizes['cp']}")
 
 
-def _fakes_layout(item) -> bool:
+def _initialises_layout(item) -> bool:
+    """The test, or a function of its module or class that it calls, sets up the parallel state for
+    real (`initialize_model_parallel`, not `fake_initialize_model_parallel`): tests that only parse
+    a layout or fake the ranks take tp / pp parameters too, and run in any world."""
+    fn = getattr(item, "function", None)
     try:
-        return "fake_initialize_model_parallel" in inspect.getsource(item.function)
-    except (OSError, TypeError, AttributeError):
+        src = inspect.getsource(fn)
+    except (OSError, TypeError):
         return False
+    sources, mod, cls = [src], inspect.getmodule(fn), getattr(item, "cls", None)
+    for name in set(re.findall(r"\b([A-Za-z_]\w*)\s*\(", src)):
+        for owner in (mod, cls):
+            helper = getattr(owner, name, None) if owner is not None else None
+            if inspect.isfunction(helper) and helper is not fn:
+                try:
+                    sources.append(inspect.getsource(helper))
+                except (OSError, TypeError):
+                    pass
+    return any(re.search(r"(?<!fake_)initialize_model_parallel\(", s) for s in sources)
 
 
 def _ranks_reason(need: int, what: str) -> str | None:

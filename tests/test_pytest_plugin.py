@@ -84,11 +84,20 @@ def test_layouts(tp, pp):
 def test_expert_layout():
     Utils.initialize_model_parallel(1, 1, expert_model_parallel_size=4)
 
+def _baseline_then_layout(tp, cp):
+    assert tp * cp <= 2, "ran a layout the world size cannot hold"   # (the expensive baseline)
+    Utils.initialize_model_parallel(tp, 1, context_parallel_size=cp)
+
 @pytest.mark.parametrize("tp,cp", [(1, 4), (2, 1)])
 def test_baseline_first(tp, cp):
     # Megatron's correctness tests build a baseline model before asking for the layout:
     # a layout the world cannot hold is skipped from the parameters, before the test runs
-    assert tp * cp <= 2, "ran a layout the world size cannot hold"
+    _baseline_then_layout(tp, cp)
+
+@pytest.mark.parametrize("pp_size", [8])
+def test_layout_parsing(pp_size):
+    # a layout parsed, no parallel state: runs in any world
+    assert pp_size == 8
 
 @pytest.mark.parametrize("tp,pp", [(1, 4)])
 def test_faked_layout(tp, pp):
@@ -150,6 +159,7 @@ def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
     param_skip = tests["test_baseline_first[1-4]"]
     assert param_skip["outcome"] == "skipped" and "parametrised TP1 x PP1 x CP4" in param_skip["reason"], param_skip
     assert tests["test_faked_layout[1-4]"]["outcome"] == "passed", tests
+    assert tests["test_layout_parsing[8]"]["outcome"] == "passed", tests
     skipped = tests["test_listed_in_the_skip_table"]
     assert skipped["outcome"] == "skipped" and skipped["reason"].startswith("[te] needs Transformer Engine"), skipped
 
