@@ -33,6 +33,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import fnmatch
+import functools
 import importlib
 import inspect
 import json
@@ -292,28 +293,30 @@ def _layout_from_params(item) -> str | None:
     correctness tests: ~25 s a case on cpu before the runtime guard skips it). Only for tests that
     set the layout up for real (`_initialises_layout`)."""
     params = getattr(getattr(item, "callspec", None), "params", {})
-    if not params or not _initialises_layout(item):
-        return None
     sizes = {}
     for axis, names in _LAYOUT_PARAMS.items():
         value = next((params[n] for n in names if n in params), 1)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             return None
         sizes[axis] = value
-    return _ranks_reason(sizes["tp"] * sizes["pp"] * sizes["cp"],
-                         f"parametrised TP{sizes['tp']} x PP{sizes['pp']} x CP{sizes['cp']}")
+    reason = _ranks_reason(sizes["tp"] * sizes["pp"] * sizes["cp"],
+                           f"parametrised TP{sizes['tp']} x PP{sizes['pp']} x CP{sizes['cp']}")
+    if reason and _initialises_layout(getattr(item, "function", None), getattr(item, "cls", None)):
+        return reason
+    return None
 
 
-def _initialises_layout(item) -> bool:
+@functools.lru_cache(maxsize=None)
+def _initialises_layout(fn, cls) -> bool:
     """The test, or a function of its module or class that it calls, sets up the parallel state for
     real (`initialize_model_parallel`, not `fake_initialize_model_parallel`): tests that only parse
-    a layout or fake the ranks take tp / pp parameters too, and run in any world."""
-    fn = getattr(item, "function", None)
+    a layout or fake the ranks take tp / pp parameters too, and run in any world. (Once per test
+    function, not per parametrised case.)"""
     try:
         src = inspect.getsource(fn)
     except (OSError, TypeError):
         return False
-    sources, mod, cls = [src], inspect.getmodule(fn), getattr(item, "cls", None)
+    sources, mod = [src], inspect.getmodule(fn)
     for name in set(re.findall(r"\b([A-Za-z_]\w*)\s*\(", src)):
         for owner in (mod, cls):
             helper = getattr(owner, name, None) if owner is not None else None

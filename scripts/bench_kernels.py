@@ -285,8 +285,8 @@ def bench_dropout(be, args, dev):
     record("bias_dropout_add", shape, "ours", fwd_bwd(lambda: op(x, b, r, p), [x, b, r], dy), nb, model)
     record("bias_dropout_add", shape + " no bias", "ours", fwd_bwd(lambda: op(x, None, r, p), [x, r], dy), nb, model)
 
-    def eager(x, b, r):  # Megatron's _bias_dropout_add_func in training
-        return r + F.dropout(x + b, p=p, training=True)
+    from megatron_adapt.backends.cpu.dropout import bias_dropout_add_math  # Megatron's arithmetic
+    eager = lambda x, b, r: bias_dropout_add_math(x, b, r, p)
     record("bias_dropout_add", shape, "torch_eager", fwd_bwd(lambda: eager(x, b, r), [x, b, r], dy), nb, model)
     c = maybe_compile(eager, args)
     if c:
