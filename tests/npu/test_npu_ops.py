@@ -109,6 +109,19 @@ def test_bias_gelu(torch_npu, report, dtype):
     compare(npu("bias_gelu"), ref("bias_gelu"), [torch.randn(37), torch.randn(3, 37)], dtype)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_bias_dropout_add(torch_npu, report, bias):
+    """Megatron's arithmetic in torch ops: the same masks as the reference under one seed."""
+    x, r = torch.randn(4, 3, 37), torch.randn(4, 3, 37)
+    b = torch.randn(37) if bias else None
+    torch.manual_seed(5)
+    out = npu("bias_dropout_add")(x, b, r, 0.3)
+    torch.manual_seed(5)
+    torch.testing.assert_close(out, ref("bias_dropout_add")(x, b, r, 0.3), rtol=0, atol=0)
+    assert 0.15 < (out == r).float().mean().item() < 0.45
+    assert ops_ran(report, "bias_dropout_add") == {"npu.torch": 1}
+
+
 # ---------------------------------------------------------------------------------------- softmax
 SOFTMAX_CASES = [
     # (shape [b, np, sq, sk], mask kind, causal, window, kernel?)
