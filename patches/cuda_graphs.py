@@ -8,6 +8,11 @@ were made then: providers never time anything inside a capture). The wrapper cou
 and the op calls made while capturing (report: cuda_graphs). If a capture raises, the error is
 raised again naming the innermost megatron-adapt backend frame it came through (module, function
 and the ops that module serves), so a kernel that cannot be captured is named, not guessed.
+
+`--cuda-graph-scope full_iteration` goes another way: `megatron.core.full_cuda_graph.
+FullCudaGraphWrapper` wraps the whole forward-backward function (every micro-batch) and captures
+it once, at iteration `--cuda-graph-warmup-steps`. Its `__call__` is wrapped the same way: that
+capture is counted and reported, and a failure inside a backend op is named.
 """
 import os
 import sys
@@ -53,6 +58,41 @@ class GraphCaptureError(RuntimeError):
     """A CUDA graph capture failed inside a megatron-adapt backend op."""
 
 
+def _capturing(backend, label, graphs, run):
+    """run() captures `graphs` CUDA graphs: count the backend op calls made meanwhile, report them,
+    and name the op if the capture fails inside one."""
+    before = report.op_counts()
+    t0 = time.perf_counter()
+    try:
+        result = run()
+    except Exception as exc:
+        where = _backend_frame(exc)
+        if where is None:
+            raise
+        site, ops, inner = where
+        raise GraphCaptureError(
+            f"CUDA graph capture (--cuda-graph-impl {label}) failed in megatron-adapt's "
+            f"{backend.name} backend op {' / '.join(ops) or '?'}, at {site}"
+            f"{'' if inner == site else f' (innermost: {inner})'}: {type(exc).__name__}: {exc}. "
+            f"That op cannot run inside a CUDA graph: disable its patch area "
+            f"(MEGATRON_ADAPT_DISABLE) or run without --cuda-graph-impl.") from exc
+    after = report.op_counts()
+    captured = {}
+    for op, impls in after.items():
+        for impl, n in impls.items():
+            d = n - before.get(op, {}).get(impl, 0)
+            if d:
+                captured[f"{op} [{impl}]"] = d
+    seconds = round(time.perf_counter() - t0, 3)
+    report.graphs_built(label, graphs, seconds, captured)
+    if report._rank() == 0:
+        print(f"megatron-adapt: {graphs} CUDA graphs built by Megatron ({label}) in {seconds} s, "
+              f"{sum(captured.values())} backend op calls captured in them: "
+              + (", ".join(f"{k} x{v}" for k, v in captured.items()) or "none"), file=sys.stderr,
+              flush=True)
+    return result
+
+
 def build(backend, original):
     def create_cudagraphs(wrapped, instance, args, kwargs):
         from megatron.core.transformer import cuda_graphs as cg
@@ -61,40 +101,25 @@ def build(backend, original):
         pending = 0 if record is None or record.cudagraph_created else len(record.cudagraph_record)
         if not pending:
             return wrapped(*args, **kwargs)
-        before = report.op_counts()
-        t0 = time.perf_counter()
-        try:
-            result = wrapped(*args, **kwargs)
-        except Exception as exc:
-            where = _backend_frame(exc)
-            if where is None:
-                raise
-            site, ops, inner = where
-            raise GraphCaptureError(
-                f"CUDA graph capture (--cuda-graph-impl local) failed in megatron-adapt's "
-                f"{backend.name} backend op {' / '.join(ops) or '?'}, at {site}"
-                f"{'' if inner == site else f' (innermost: {inner})'}: {type(exc).__name__}: {exc}. "
-                f"That op cannot run inside a CUDA graph: disable its patch area "
-                f"(MEGATRON_ADAPT_DISABLE) or run without --cuda-graph-impl.") from exc
-        after = report.op_counts()
-        captured = {}
-        for op, impls in after.items():
-            for impl, n in impls.items():
-                d = n - before.get(op, {}).get(impl, 0)
-                if d:
-                    captured[f"{op} [{impl}]"] = d
-        seconds = round(time.perf_counter() - t0, 3)
-        report.graphs_built("megatron local (create_cudagraphs)", pending, seconds, captured)
-        if report._rank() == 0:
-            print(f"megatron-adapt: {pending} CUDA graphs built by Megatron (local) in {seconds} s, "
-                  f"{sum(captured.values())} backend op calls captured in them: "
-                  + (", ".join(f"{k} x{v}" for k, v in captured.items()) or "none"), file=sys.stderr,
-                  flush=True)
-        return result
+        return _capturing(backend, "local", pending, lambda: wrapped(*args, **kwargs))
     return create_cudagraphs
+
+
+def build_full_iteration(backend, original):
+    def full_iteration_call(wrapped, instance, args, kwargs):
+        stage = "validation" if kwargs.get("forward_only") else "training"
+        captures = (instance.curr_iter(stage) == instance.cuda_graph_warmup_steps
+                    and type(instance).cuda_graph.get(stage) is None)
+        if not captures:
+            return wrapped(*args, **kwargs)
+        return _capturing(backend, f"local, full_iteration, {stage}", 1,
+                          lambda: wrapped(*args, **kwargs))
+    return full_iteration_call
 
 
 SPECS = [
     PatchSpec("megatron.core.transformer.cuda_graphs:create_cudagraphs", area="cuda_graphs",
               mode=WRAP, build=build),
+    PatchSpec("megatron.core.full_cuda_graph:FullCudaGraphWrapper.__call__", area="cuda_graphs",
+              mode=WRAP, build=build_full_iteration),
 ]

@@ -6,6 +6,11 @@
 #   (b) adapt:  megatron-adapt-run, Megatron's default arguments (transformer_engine impl, every fusion on).
 #   (c) adapt_graphs: (b) plus Megatron's own CUDA graphs (--cuda-graph-impl local; default scope:
 #               each transformer layer's forward and backward captured once, replayed after).
+#   (d) adapt_full_graph (not in the default RUNS): (b) plus --cuda-graph-impl local
+#               --cuda-graph-scope full_iteration --no-check-for-nan-in-loss-and-grad: the whole
+#               forward-backward of an iteration (every micro-batch) in one graph; Megatron refuses
+#               that scope unless its per-micro-batch NaN/Inf loss check (a host sync) is off.
+#   (e) stock_full_graph (not in the default RUNS): (a) with the same three flags.
 # Per run also: the GPU's busy fraction (nvidia-smi dmon SM %, median over the steady samples) and
 # the host's CPU model (lscpu), since a step that waits on the host shows there.
 # Model: 0.95B llama-like (16 layers, hidden 2048, ffn 5632, 16 heads, seq 2048, micro-batch 4, global
@@ -41,6 +46,7 @@ read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
 MODEL+=("${EXTRA[@]}")
 STOCK_FLAGS=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm
              --no-masked-softmax-fusion --no-gradient-accumulation-fusion)
+FULL_GRAPH=(--cuda-graph-impl local --cuda-graph-scope full_iteration --no-check-for-nan-in-loss-and-grad)
 if command -v megatron-adapt-run >/dev/null; then ADAPT=(megatron-adapt-run); else ADAPT=(python3 -m megatron_adapt.launcher); fi
 TORCHRUN=(python3 -m torch.distributed.run --nproc-per-node 1 --master-port 29561)
 
@@ -71,6 +77,16 @@ for run in $RUNS; do
                 peak_smi "$OUTDIR/adapt_graphs.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_graphs_report.json" \
                     "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" \
                     --cuda-graph-impl local ;;
+        adapt_full_graph)
+                peak_smi "$OUTDIR/adapt_full_graph.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_full_graph_report.json" \
+                    "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" \
+                    "${FULL_GRAPH[@]}" ;;
+        stock_full_graph)
+                make -s -C "$MEGATRON_LM_PATH/megatron/core/datasets" \
+                    LIBEXT="$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" || true
+                peak_smi "$OUTDIR/stock_full_graph.log" env MEGATRON_ADAPT_DISABLE=all \
+                    "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" "${STOCK_FLAGS[@]}" \
+                    "${FULL_GRAPH[@]}" --logging-level 20 ;;
         *) echo "unknown run $run" >&2; exit 2 ;;
     esac
 done

@@ -48,7 +48,7 @@ def parse(log: Path, warmup: int, peak: float) -> dict:
         "max_reserved_gb": max(float(m[3]) for m in mem) / 1024 if mem else None,
         "smi_peak_gb": int(smi.read_text()) / 1024 if smi.exists() else None,
         "gpu_busy": gpu_busy(Path(f"{log}.dmon")),
-        "cuda_graphs": bool(re.search(r"built \d+ cuda graph|\d+ CUDA graphs built", text)),
+        "cuda_graphs": bool(re.search(r"built \d+ cuda graph|\d+ CUDA graphs built|CUDA graph capture done for training", text)),
         "losses": {i: rows[i][2] for i in sorted(rows)},
     }
 

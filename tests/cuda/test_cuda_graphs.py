@@ -53,6 +53,55 @@ def test_capture_failure_names_the_op(monkeypatch):
     assert "cannot run inside a CUDA graph" in msg, msg
 
 
+def _full_iteration_wrapper(monkeypatch, stage_iteration):
+    """Megatron's FullCudaGraphWrapper at training iteration `stage_iteration` (capture at 1)."""
+    fcg = pytest.importorskip("megatron.core.full_cuda_graph")
+    cls = fcg.FullCudaGraphWrapper
+    monkeypatch.setattr(cls, "curr_iteration", {"training": stage_iteration, "validation": 0})
+    monkeypatch.setattr(cls, "cuda_graph", {"training": None, "validation": None})
+    inst = cls.__new__(cls)                   # no CUDA stream: the wrapper only reads its state
+    inst.cuda_graph_warmup_steps = 1
+    return inst
+
+
+def test_full_iteration_capture_is_reported(monkeypatch):
+    """--cuda-graph-scope full_iteration: the iteration that captures is counted and reported;
+    the others pass straight through."""
+    from megatron_adapt import report
+    from megatron_adapt.backends.cuda import BACKEND
+    from megatron_adapt.patches.cuda_graphs import build_full_iteration
+
+    x = torch.randn(4, 64, device=DEVICE)
+    w = torch.ones(64, device=DEVICE)
+    rms_norm = BACKEND.op("rms_norm")
+    hook = build_full_iteration(BACKEND, None)
+    step = lambda **kw: rms_norm(rms_norm(x, w, 1e-5), w, 1e-5)
+    kwargs = dict(forward_only=False)
+    monkeypatch.setattr(report, "_graphs", [])
+    hook(step, _full_iteration_wrapper(monkeypatch, 0), (), kwargs)       # eager warm-up step
+    assert report._graphs == []
+    hook(step, _full_iteration_wrapper(monkeypatch, 1), (), kwargs)       # the capture
+    (built,) = report._graphs
+    assert built["impl"] == "local, full_iteration, training" and built["graphs"] == 1, built
+    assert sum(n for k, n in built["captured_ops"].items() if k.startswith("rms_norm [")) == 2, built
+
+
+def test_full_iteration_capture_failure_names_the_op(monkeypatch):
+    from megatron_adapt.backends.cuda import BACKEND
+    from megatron_adapt.patches.cuda_graphs import GraphCaptureError, build_full_iteration
+
+    x = torch.randn(4, 64, device=DEVICE)
+    w = torch.ones(64, device=DEVICE)
+    rms_norm = BACKEND.op("rms_norm")
+    _fail_in_norm(monkeypatch)
+    inst = _full_iteration_wrapper(monkeypatch, 1)
+    with pytest.raises(GraphCaptureError) as info:
+        build_full_iteration(BACKEND, None)(lambda **kw: rms_norm(x, w, 1e-5), inst, (),
+                                            dict(forward_only=False))
+    msg = str(info.value)
+    assert "full_iteration" in msg and "rms_norm" in msg and "norms.py (_Norm.forward)" in msg, msg
+
+
 REAL_CAPTURE = """
 import torch, pytest
 from megatron.core.transformer import cuda_graphs as cg
@@ -160,4 +209,49 @@ def test_graphed_and_eager_loss_curves_match(tmp_path, tp):
 def test_graphs_with_default_dropout_run(tmp_path):
     """Megatron's default dropout inside the graphs (its graph-safe RNG tracker): runs, loss falls."""
     losses, rep = _pretrain(tmp_path, "graphed_dropout", 1, ["--cuda-graph-impl", "local"])
+    assert rep["cuda_graphs"] and losses[12] < losses[1], (losses, rep["cuda_graphs"])
+
+
+FULL_ITERATION = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration",
+                  "--no-check-for-nan-in-loss-and-grad"]     # Megatron requires the last one
+
+
+def _checkout_version():
+    text = Path(LM, "megatron", "core", "package_info.py").read_text()
+    return tuple(int(re.search(rf"^{k} = (\d+)", text, re.M).group(1)) for k in ("MAJOR", "MINOR"))
+
+
+def _full_iteration_capturable():
+    """Megatron-LM before 0.18: pretrain_gpt's get_batch_on_this_tp_rank makes a tensor from a host
+    int on the GPU in every micro-batch (torch.tensor in _broadcast_cu_seqlens), which a
+    full-iteration capture refuses; stock Megatron's own limit, the broadcast is conditional
+    from 0.18 on."""
+    if _checkout_version() < (0, 18):
+        pytest.skip(f"Megatron-LM {'.'.join(map(str, _checkout_version()))} at MEGATRON_LM_PATH: its "
+                    "get_batch copies a host int to the GPU in every micro-batch (stock Megatron "
+                    "cannot capture full_iteration before 0.18)")
+
+
+@e2e
+def test_full_iteration_graph_and_eager_loss_curves_match(tmp_path):
+    """--cuda-graph-scope full_iteration: the whole forward-backward (all micro-batches) in one
+    graph, captured at iteration --cuda-graph-warmup-steps; same loss curve as eager (dropout 0)."""
+    _full_iteration_capturable()
+    no_dropout = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+    eager, _ = _pretrain(tmp_path, "eager_full", 1, no_dropout)
+    graphed, rep = _pretrain(tmp_path, "graphed_full", 1, no_dropout + FULL_ITERATION)
+    diffs = [abs(eager[i] - graphed[i]) for i in sorted(eager)]
+    assert max(diffs) < 0.02 and sum(diffs) / len(diffs) < 0.01, (eager, graphed)
+    (built,) = rep["cuda_graphs"]
+    assert built["impl"] == "local, full_iteration, training" and built["graphs"] == 1, built
+    captured = " ".join(built["captured_ops"])
+    for op in ("rms_norm", "swiglu", "rope", "attention", "vocab_parallel_cross_entropy"):
+        assert op in captured, built
+    assert not [o for o in rep["ops"] if o["fallback_reason"]], rep["ops"]
+
+
+@e2e
+def test_full_iteration_graph_with_default_dropout_runs(tmp_path):
+    _full_iteration_capturable()
+    losses, rep = _pretrain(tmp_path, "graphed_full_dropout", 1, FULL_ITERATION)
     assert rep["cuda_graphs"] and losses[12] < losses[1], (losses, rep["cuda_graphs"])

@@ -342,6 +342,25 @@ class TestCudaGraphs(PatchContract):
         assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+    def test_full_iteration_wrapper_is_wrapped_and_passes_through(self):
+        """--cuda-graph-scope full_iteration: training.py builds FullCudaGraphWrapper by the name it
+        imported; the class's __call__ is ours, and an iteration that does not capture passes
+        straight through to Megatron's (here: iteration 0, warm-up, eager)."""
+        proc = run_python(
+            "import megatron_adapt; megatron_adapt.apply('cpu')\n"
+            "from megatron.core import full_cuda_graph as fcg\n"
+            "call = fcg.FullCudaGraphWrapper.__dict__['__call__']\n"
+            "assert hasattr(call, '__wrapped__'), repr(call)\n"
+            "w = fcg.FullCudaGraphWrapper.__new__(fcg.FullCudaGraphWrapper)\n"
+            "w.cuda_graph_warmup_steps = 1; seen = []\n"
+            "w.forward_backward_func = lambda **kw: seen.append(kw['num_microbatches']) or 'ran'\n"
+            "w.data_read = lambda it, model, training, n: [iter([])]\n"
+            "out = w(model=[None], data_iterator=None, num_microbatches=2, seq_length=8, forward_only=False)\n"
+            "assert out == 'ran' and seen == [2], (out, seen)\n"
+            "from megatron_adapt import report; assert report(as_json=True)['cuda_graphs'] == []\n")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 class TestStartupReport(PatchContract):
     area = "startup_report"
 
