@@ -67,57 +67,58 @@ def _gelu(Y, BIAS, DY, OUT, H, BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(OUT + row * H + cols, out.to(OUT.dtype.element_ty), mask=m)
 
 
+# The kernels read rows of contiguous elements: a contiguous input of any rank is used as it is,
+# and outputs are allocated in their final shape (no reshape / view calls: each is host time).
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias):
-        shape = x.shape
-        f = shape[-1] // 2
-        x2 = x.reshape(-1, 2 * f).contiguous()
+        f = x.shape[-1] // 2
+        x2 = x if x.is_contiguous() else x.contiguous()
         b = bias.contiguous() if bias is not None else None
-        y = torch.empty((x2.size(0), f), dtype=x.dtype, device=x.device)
+        y = torch.empty((*x.shape[:-1], f), dtype=x.dtype, device=x.device)
         if y.numel():
-            launch(_swiglu_fwd, (x2.size(0), cdiv(f, BLOCK)), x2, b if b is not None else x2, y, f,
-                                                             HAS_BIAS=b is not None, BLOCK=BLOCK)
+            launch(_swiglu_fwd, (x2.numel() // (2 * f), cdiv(f, BLOCK)), x2, b if b is not None else x2,
+                   y, f, HAS_BIAS=b is not None, BLOCK=BLOCK)
         ctx.save_for_backward(x2, b)
-        ctx.shape = shape
-        return y.view(*shape[:-1], f)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x2, b = ctx.saved_tensors
-        f = x2.size(1) // 2
-        dy2 = dy.reshape(-1, f).contiguous()
+        f = x2.shape[-1] // 2
+        dy2 = dy if dy.is_contiguous() else dy.contiguous()
         dx = torch.empty_like(x2)
         if dx.numel():
-            launch(_swiglu_bwd, (x2.size(0), cdiv(f, BLOCK)), x2, b if b is not None else x2, dy2, dx, f,
-                                                             HAS_BIAS=b is not None, BLOCK=BLOCK)
-        db = dx.sum(0, dtype=torch.float32).to(b.dtype) if b is not None and ctx.needs_input_grad[1] else None
-        return dx.view(ctx.shape), db
+            launch(_swiglu_bwd, (x2.numel() // (2 * f), cdiv(f, BLOCK)), x2, b if b is not None else x2,
+                   dy2, dx, f, HAS_BIAS=b is not None, BLOCK=BLOCK)
+        db = (dx.reshape(-1, 2 * f).sum(0, dtype=torch.float32).to(b.dtype)
+              if b is not None and ctx.needs_input_grad[1] else None)
+        return dx, db
 
 
 class _BiasGeLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, bias, y):
-        h = y.size(-1)
-        y2 = y.reshape(-1, h).contiguous()
+        h = y.shape[-1]
+        y2 = y if y.is_contiguous() else y.contiguous()
         b = bias.contiguous()
         out = torch.empty_like(y2)
         if out.numel():
-            launch(_gelu, (y2.size(0), cdiv(h, BLOCK)), y2, b, y2, out, h, BACKWARD=False, BLOCK=BLOCK)
+            launch(_gelu, (y2.numel() // h, cdiv(h, BLOCK)), y2, b, y2, out, h, BACKWARD=False, BLOCK=BLOCK)
         ctx.save_for_backward(y2, b)
-        ctx.shape = y.shape
-        return out.view(y.shape)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         y2, b = ctx.saved_tensors
-        h = y2.size(1)
-        d2 = dout.reshape(-1, h).contiguous()
+        h = y2.shape[-1]
+        d2 = dout if dout.is_contiguous() else dout.contiguous()
         dy = torch.empty_like(y2)
         if dy.numel():
-            launch(_gelu, (y2.size(0), cdiv(h, BLOCK)), y2, b, d2, dy, h, BACKWARD=True, BLOCK=BLOCK)
-        db = dy.sum(0, dtype=torch.float32).to(b.dtype) if ctx.needs_input_grad[0] else None
-        return db, dy.view(ctx.shape)
+            launch(_gelu, (y2.numel() // h, cdiv(h, BLOCK)), y2, b, d2, dy, h, BACKWARD=True, BLOCK=BLOCK)
+        db = dy.reshape(-1, h).sum(0, dtype=torch.float32).to(b.dtype) if ctx.needs_input_grad[0] else None
+        return db, dy
 
 
 @providers.selectable("swiglu")

@@ -330,11 +330,13 @@ def _resident_programs(kernel, warps):
 class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, is_rms):
-        shape, n = x.shape, x.shape[-1]
-        x2 = x.reshape(-1, n).contiguous()
+        # The kernels read rows of n contiguous elements: a contiguous x of any rank is used as it
+        # is (no reshape / view calls: each is host time on a slow host, per call).
+        n = x.shape[-1]
+        x2 = x if x.is_contiguous() else x.contiguous()
         w = weight.contiguous()
         b = bias.contiguous() if bias is not None else None
-        rows = x2.shape[0]
+        rows = x2.numel() // n if n else 0
         y = torch.empty_like(x2)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         mean = rstd if is_rms else torch.empty_like(rstd)
@@ -351,22 +353,23 @@ class _Norm(torch.autograd.Function):
                 launch(_norm_fwd_loop, (rows,), x2, w, bb, y, mean, rstd, n, eps, IS_RMS=is_rms,
                                         HAS_BIAS=has_bias, BLOCK=CHUNK, num_warps=8)
         ctx.save_for_backward(x2, w, mean, rstd)
-        ctx.is_rms, ctx.has_bias, ctx.shape = is_rms, b is not None, shape
+        ctx.is_rms, ctx.has_bias = is_rms, b is not None
         ctx.wdtype = weight.dtype
         ctx.bdtype = bias.dtype if bias is not None else None
-        return y.view(shape)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x2, w, mean, rstd = ctx.saved_tensors
-        rows, n = x2.shape
+        n = x2.shape[-1]
+        rows = rstd.shape[0]
         dev = x2.device
-        dy2 = dy.reshape(-1, n).contiguous()
+        dy2 = dy if dy.is_contiguous() else dy.contiguous()
         dx = torch.empty_like(x2)
         dw = torch.empty(n, dtype=ctx.wdtype, device=dev)
         db = torch.empty(n, dtype=ctx.bdtype, device=dev) if ctx.has_bias else None
         if not rows:
-            return dx.view(ctx.shape), dw.zero_(), db.zero_() if db is not None else None, None, None
+            return dx, dw.zero_(), db.zero_() if db is not None else None, None, None
         if not ctx.is_rms and next_pow2(n) == MAX_FUSED:
             return _split_backward(ctx, x2, w, dy2, mean, rstd, dx, dw, db)
         loop = n > MAX_FUSED
@@ -379,8 +382,11 @@ class _Norm(torch.autograd.Function):
         g = num_programs(dev, cdiv(rows, tile), per_sm=_RESIDENT.get(key, 2))
         alloc = torch.zeros if loop else torch.empty
         # dw and db partials in one allocation (rows [0] and [1] of [2, g, n] with a bias)
-        part = alloc((2 if ctx.has_bias else 1, g, n), dtype=torch.float32, device=dev)
-        dw_part, db_part = part[0], part[-1]
+        if ctx.has_bias:
+            part = alloc((2, g, n), dtype=torch.float32, device=dev)
+            dw_part, db_part = part[0], part[1]
+        else:
+            dw_part = db_part = alloc((g, n), dtype=torch.float32, device=dev)
         if loop:
             k = launch(_norm_bwd_loop, (g,), x2, w, dy2, dx, mean, rstd, dw_part, db_part, rows, n, g,
                                      IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BLOCK=block,
@@ -395,13 +401,14 @@ class _Norm(torch.autograd.Function):
         launch(_sum_partials, (cdiv(n, bn), 2 if ctx.has_bias else 1),
             dw_part, db_part, dw, db if db is not None else dw, g, n,
             HAS_BIAS=ctx.has_bias, BG=64, BN=bn, num_warps=4)
-        return dx.view(ctx.shape), dw, db, None, None
+        return dx, dw, db, None, None
 
 
 def _split_backward(ctx, x2, w, dy2, mean, rstd, dx, dw, db):
     """Wide rows: dx one row a program, then dw/db as a column reduction over row groups (x and
     dy read twice, but no program holds a row's weight-gradient partials next to the row)."""
-    rows, n = x2.shape
+    n = x2.shape[-1]
+    rows = rstd.shape[0]
     launch(_norm_bwd_dx, (rows,), x2, w, dy2, dx, mean, rstd, n, IS_RMS=ctx.is_rms,
                           BLOCK=next_pow2(n), num_warps=SPLIT_DX_WARPS)
     br, bn = SPLIT_TILE
@@ -417,7 +424,7 @@ def _split_backward(ctx, x2, w, dy2, mean, rstd, dx, dw, db):
     launch(_sum_partials, (cdiv(n, 32), 2 if ctx.has_bias else 1),
         dw_part, db_part, dw, db if db is not None else dw, groups, n,
         HAS_BIAS=ctx.has_bias, BG=64, BN=32, num_warps=4)
-    return dx.view(ctx.shape), dw, db, None, None
+    return dx, dw, db, None, None
 
 
 @providers.selectable("rms_norm")

@@ -173,9 +173,15 @@ def library_installed(library: str) -> bool:
                if c.library == library)
 
 
+_core = None
+
+
 def _mode() -> str:
-    from megatron_adapt.core import active_config
-    return active_config().external
+    global _core
+    if _core is None:       # imported on first use: megatron_adapt.core imports the backends
+        from megatron_adapt import core as _c
+        _core = _c
+    return _core.active_config().external
 
 
 # ---- the tournament ---------------------------------------------------------------------------
@@ -183,13 +189,14 @@ def _mode() -> str:
 _decisions: dict[tuple, Candidate | None] = {}   # signature -> winner (None: ours)
 MAX_SIGNATURES = 32   # per op: beyond this (shapes that change every step), ours, unmeasured
 _over_cap: set = set()
+_libs_present: dict[str, bool] = {}   # op -> any of its candidate libraries importable
 
 
 def _signature(op, args):
     sig = [op]
     for a in args:
-        if isinstance(a, torch.Tensor):
-            sig.append((tuple(a.shape), a.dtype, a.requires_grad, a.is_contiguous()))
+        if isinstance(a, torch.Tensor):     # torch.Size is a tuple: hashable as it is
+            sig.append((a.shape, a.dtype, a.requires_grad, a.is_contiguous()))
         elif isinstance(a, (int, float, bool, str)) or a is None:
             sig.append(a)
         else:  # process groups and the like
@@ -434,7 +441,10 @@ def selectable(op):
                     from megatron_adapt.errors import ConfigError
                     raise ConfigError(f"MEGATRON_ADAPT_EXTERNAL={mode}, but {mode} is not installed "
                                       f"(or lacks its compiled parts): install it, or use auto / off")
-                if libs and any(installed(m) for m in libs):
+                present = _libs_present.get(op)
+                if present is None:   # once: the libraries do not come and go in a run
+                    present = _libs_present[op] = any(installed(m) for m in libs)
+                if present:
                     winner = choose(op, ours, args, mode)
                     if winner is not None:
                         report.ran(op, winner.impl)
@@ -449,4 +459,5 @@ def reset() -> None:
     """Forget the decisions (tests; a new configuration)."""
     _decisions.clear()
     _over_cap.clear()
+    _libs_present.clear()
     installed.cache_clear()

@@ -49,3 +49,29 @@ def test_bias_gelu(shape, dtype):
     assert_close(o, orf, dtype, "out")
     assert_close(y.grad, yr.grad, dtype, "dy")
     assert_close(b.grad, br.grad, dtype, "dbias", scale=2.0)
+
+
+@pytest.mark.parametrize("op", ["swiglu", "bias_swiglu", "bias_gelu"])
+def test_strided_input_and_gradient(op):
+    """Transposed (non-contiguous) 3-D inputs and output gradients: outputs and gradients come
+    back in the input's shape and equal the fp32 reference."""
+    torch.manual_seed(5)
+    x = torch.randn(6, 4, 64, device=DEVICE).transpose(0, 1).requires_grad_()
+    b = torch.randn(64 if op == "bias_gelu" else 64, device=DEVICE).requires_grad_()
+    xr, br = x.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    if op == "bias_gelu":
+        out, ref = activations.bias_gelu(b, x), F.gelu(xr + br, approximate="tanh")
+    elif op == "swiglu":
+        out, ref = activations.swiglu(x), F.silu(xr[..., :32]) * xr[..., 32:]
+    else:
+        h = xr + br
+        out, ref = activations.bias_swiglu(x, b), F.silu(h[..., :32]) * h[..., 32:]
+    d = torch.randn(out.shape[::-1], device=DEVICE).permute(*range(out.dim() - 1, -1, -1))
+    assert out.shape == ref.shape == d.shape and not d.is_contiguous()
+    out.backward(d)
+    ref.backward(d)
+    assert_close(out, ref, torch.float32, "out")
+    assert x.grad.shape == x.shape
+    assert_close(x.grad, xr.grad, torch.float32, "dx")
+    if op != "swiglu":
+        assert_close(b.grad, br.grad, torch.float32, "dbias")

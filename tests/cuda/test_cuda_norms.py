@@ -67,3 +67,25 @@ def test_norm_large_mean_fp32(rms):
     """Rows whose mean is 100x their spread: the one-pass (shifted) LayerNorm variance must not
     cancel catastrophically."""
     _run(rms, 16 if not GPU else 512, 1000 if not GPU else 4096, torch.float32, offset=200.0)
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "layer"])
+def test_norm_strided_input_and_gradient(rms):
+    """A transposed (non-contiguous) 3-D input and a non-contiguous output gradient: the op reads
+    a contiguous copy, and returns outputs and gradients in the input's shape."""
+    torch.manual_seed(3)
+    x = torch.randn(5, 3, 48, device=DEVICE).transpose(0, 1).requires_grad_()
+    w = (torch.rand(48, device=DEVICE) + 0.5).requires_grad_()
+    b = None if rms else torch.randn(48, device=DEVICE).requires_grad_()
+    y = norms.rms_norm(x, w, 1e-5) if rms else norms.layer_norm(x, w, b, 1e-5)
+    dy = torch.randn(48, 5, 3, device=DEVICE).permute(2, 1, 0)
+    assert y.shape == x.shape == dy.shape and not dy.is_contiguous()
+    y.backward(dy)
+    leaves = [x, w] + ([] if rms else [b])
+    ref = [t.detach().clone().requires_grad_() for t in leaves]
+    yr = F.rms_norm(ref[0], (48,), ref[1], 1e-5) if rms else F.layer_norm(ref[0], (48,), ref[1], ref[2], 1e-5)
+    yr.backward(dy)
+    assert_close(y, yr, torch.float32, "y")
+    for name, t, r in zip(("dx", "dw", "db"), leaves, ref):
+        assert t.grad.shape == t.shape
+        assert_close(t.grad, r.grad, torch.float32, name)
