@@ -2,7 +2,9 @@
 
 Tiny tensors (the GPU time is ~0), so what is timed is the Python / launch cost the host pays
 per call: N calls are timed with time.perf_counter() before the final synchronize (the enqueue
-time, printed as host us/call) and after it (wall us/call). Forward alone runs under no_grad;
+time, printed as host us/call) and after it (wall us/call). Every variant of one op (ours, PyTorch's,
+Liger's) is timed in turns, --reps turns of N calls each, so that all of them see the same state of
+the host; the best turn is printed (noise on a busy host only adds time), the median is in the JSON. Forward alone runs under no_grad;
 forward+backward calls torch.autograd.grad on precomputed output gradients (no .grad
 accumulation). `launches` is the number of GPU kernels one call queued (torch.profiler; '-' where
 the profiler is unavailable).
@@ -10,7 +12,7 @@ the profiler is unavailable).
 Run through the backend's op table (the function Megatron's patches call, providers wrapper
 included), with megatron-adapt's configuration fixed once as in a patched run.
 
-Usage: python scripts/bench_host_cost.py [--calls 300] [--json out.json] [--ops rms_norm,swiglu]
+Usage: python scripts/bench_host_cost.py [--calls 300] [--reps 7] [--json out.json] [--ops rms_norm,swiglu]
        MEGATRON_ADAPT_TRITON_DIRECT=0 gives the ordinary Triton launcher (the "before" column).
 On CPU it runs under TRITON_INTERPRET=1 as a smoke test only (the figures mean nothing there).
 """
@@ -44,22 +46,28 @@ def sync(dev):
         torch.cuda.synchronize()
 
 
-def host_us(fn, calls, dev, reps=3):
-    """(host us/call, wall us/call): median over reps of `calls` back-to-back calls."""
-    for _ in range(10):
-        fn()
-    sync(dev)
-    host, wall = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def host_us_interleaved(fns, calls, dev, reps):
+    """{name: (host us/call best, host us/call median, wall us/call best)} for every fn in `fns`,
+    timed in turns: rep 1 of every fn, then rep 2 of every fn, ... so that the variants of one op
+    see the same state of a noisy host, and their ratio is a like-for-like comparison. The best
+    (smallest) rep is the figure: host noise only ever adds time."""
+    for fn in fns.values():
+        for _ in range(10):
             fn()
-        t1 = time.perf_counter()
-        sync(dev)
-        t2 = time.perf_counter()
-        host.append((t1 - t0) / calls * 1e6)
-        wall.append((t2 - t0) / calls * 1e6)
-    return statistics.median(host), statistics.median(wall)
+    sync(dev)
+    host = {k: [] for k in fns}
+    wall = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            t1 = time.perf_counter()
+            sync(dev)
+            t2 = time.perf_counter()
+            host[k].append((t1 - t0) / calls * 1e6)
+            wall[k].append((t2 - t0) / calls * 1e6)
+    return {k: (min(host[k]), statistics.median(host[k]), min(wall[k])) for k in fns}
 
 
 def kernels_per_call(fn, dev):
@@ -203,13 +211,14 @@ def cases(dev, dt, ours):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--reps", type=int, default=7, help="turns per variant; the best is reported")
     ap.add_argument("--json")
     ap.add_argument("--ops", default="")
     a = ap.parse_args()
     gpu = torch.cuda.is_available()
     if not gpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        a.calls = min(a.calls, 5)
+        a.calls, a.reps = min(a.calls, 5), min(a.reps, 2)
     dev = torch.device("cuda" if gpu else "cpu")
     dt = torch.bfloat16 if gpu else torch.float32
 
@@ -232,13 +241,17 @@ def main():
     for op, variants in cases(dev, dt, ours).items():
         if only and op not in only:
             continue
+        fns = {(variant, kind): fn for variant, fw, fb in variants
+               for kind, fn in (("fwd", fw), ("fwd_bwd", fb)) if fn is not None}
+        timed = host_us_interleaved(fns, a.calls, dev, a.reps)
         for variant, fw, fb in variants:
             row = {"op": op, "variant": variant}
             for kind, fn in (("fwd", fw), ("fwd_bwd", fb)):
                 if fn is None:
                     continue
-                h, w = host_us(fn, a.calls, dev)
-                row[f"{kind}_host_us"], row[f"{kind}_wall_us"] = round(h, 1), round(w, 1)
+                best, med, wall = timed[(variant, kind)]
+                row[f"{kind}_host_us"], row[f"{kind}_host_us_median"] = round(best, 1), round(med, 1)
+                row[f"{kind}_wall_us"] = round(wall, 1)
                 row[f"{kind}_launches"] = kernels_per_call(fn, dev)
             rows.append(row)
     f = lambda v: "-" if v is None else str(v)
@@ -248,7 +261,7 @@ def main():
               f"{f(r_.get('fwd_bwd_host_us')):>15} {f(r_.get('fwd_bwd_launches')):>10}")
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({**head, "calls": a.calls, "rows": rows}, fh, indent=1)
+            json.dump({**head, "calls": a.calls, "reps": a.reps, "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":
