@@ -15,6 +15,8 @@ included), with megatron-adapt's configuration fixed once as in a patched run.
 Usage: python scripts/bench_host_cost.py [--calls 300] [--reps 7] [--json out.json] [--ops rms_norm,swiglu]
        MEGATRON_ADAPT_TRITON_DIRECT=0 gives the ordinary Triton launcher (the "before" column).
 On CPU it runs under TRITON_INTERPRET=1 as a smoke test only (the figures mean nothing there).
+--stub-launch replaces every Triton launch of the cuda backend with a no-op (outputs are garbage):
+what is left is the Python around the kernels, measurable on any machine, CPU tensors included.
 """
 import argparse
 import json
@@ -27,6 +29,7 @@ import time
 
 import torch
 
+os.environ.setdefault("MEGATRON_ADAPT_AUTO", "0")   # the cuda backend's ops are timed, nothing applied
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before Triton is imported
 
@@ -212,13 +215,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--reps", type=int, default=7, help="turns per variant; the best is reported")
+    ap.add_argument("--stub-launch", action="store_true",
+                    help="Triton launches do nothing: time only the Python around the kernels")
     ap.add_argument("--json")
     ap.add_argument("--ops", default="")
     a = ap.parse_args()
     gpu = torch.cuda.is_available()
     if not gpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        a.calls, a.reps = min(a.calls, 5), min(a.reps, 2)
+        if not a.stub_launch:
+            a.calls, a.reps = min(a.calls, 5), min(a.reps, 2)
     dev = torch.device("cuda" if gpu else "cpu")
     dt = torch.bfloat16 if gpu else torch.float32
 
@@ -227,12 +233,18 @@ def main():
     from megatron_adapt.config import Config
     core._state.setdefault("config", Config.resolve())   # as in a patched run: read once
     backend = BACKEND   # (its check() wants a GPU: the CPU smoke run skips it)
+    if a.stub_launch:
+        import importlib
+        for mod in ("activations", "cross_entropy", "dropout", "norms", "rope", "softmax"):
+            m = importlib.import_module(f"megatron_adapt.backends.cuda.{mod}")
+            if hasattr(m, "launch"):
+                m.launch = lambda *args, **kw: None
     ours = backend.op
     from megatron_adapt.backends.cuda import _common
     direct = getattr(_common, "direct_launch_enabled", lambda: False)()   # (absent before it)
 
     head = {"cpu": cpu_model(), "gpu": torch.cuda.get_device_name() if gpu else None,
-            "torch": torch.__version__, "direct_launch": direct,
+            "torch": torch.__version__, "direct_launch": direct, "stub_launch": a.stub_launch,
             "triton": __import__("triton").__version__}
     print(f"# host: {head['cpu']} | GPU: {head['gpu']} | torch {head['torch']} | triton "
           f"{head['triton']} | direct launch {'on' if direct else 'off'}", flush=True)
