@@ -71,7 +71,7 @@ def _capturing(backend, label, graphs, run):
             raise
         site, ops, inner = where
         raise GraphCaptureError(
-            f"CUDA graph capture (--cuda-graph-impl {label}) failed in megatron-adapt's "
+            f"CUDA graph capture ({label}) failed in megatron-adapt's "
             f"{backend.name} backend op {' / '.join(ops) or '?'}, at {site}"
             f"{'' if inner == site else f' (innermost: {inner})'}: {type(exc).__name__}: {exc}. "
             f"That op cannot run inside a CUDA graph: disable its patch area "
@@ -86,7 +86,7 @@ def _capturing(backend, label, graphs, run):
     seconds = round(time.perf_counter() - t0, 3)
     report.graphs_built(label, graphs, seconds, captured)
     if report._rank() == 0:
-        print(f"megatron-adapt: {graphs} CUDA graphs built by Megatron ({label}) in {seconds} s, "
+        print(f"megatron-adapt: {graphs} CUDA graphs built by {label} in {seconds} s, "
               f"{sum(captured.values())} backend op calls captured in them: "
               + (", ".join(f"{k} x{v}" for k, v in captured.items()) or "none"), file=sys.stderr,
               flush=True)
@@ -101,7 +101,8 @@ def build(backend, original):
         pending = 0 if record is None or record.cudagraph_created else len(record.cudagraph_record)
         if not pending:
             return wrapped(*args, **kwargs)
-        return _capturing(backend, "local", pending, lambda: wrapped(*args, **kwargs))
+        return _capturing(backend, "Megatron (--cuda-graph-impl local)", pending,
+                          lambda: wrapped(*args, **kwargs))
     return create_cudagraphs
 
 
@@ -112,7 +113,8 @@ def build_full_iteration(backend, original):
                     and type(instance).cuda_graph.get(stage) is None)
         if not captures:
             return wrapped(*args, **kwargs)
-        return _capturing(backend, f"local, full_iteration, {stage}", 1,
+        return _capturing(backend, f"Megatron (--cuda-graph-impl local --cuda-graph-scope full_iteration, "
+                                   f"{stage})", 1,
                           lambda: wrapped(*args, **kwargs))
     return full_iteration_call
 

@@ -82,7 +82,7 @@ def test_full_iteration_capture_is_reported(monkeypatch):
     assert report._graphs == []
     hook(step, _full_iteration_wrapper(monkeypatch, 1), (), kwargs)       # the capture
     (built,) = report._graphs
-    assert built["impl"] == "local, full_iteration, training" and built["graphs"] == 1, built
+    assert built["impl"] == "Megatron (--cuda-graph-impl local --cuda-graph-scope full_iteration, training)" and built["graphs"] == 1, built
     assert sum(n for k, n in built["captured_ops"].items() if k.startswith("rms_norm [")) == 2, built
 
 
@@ -243,7 +243,7 @@ def test_full_iteration_graph_and_eager_loss_curves_match(tmp_path):
     diffs = [abs(eager[i] - graphed[i]) for i in sorted(eager)]
     assert max(diffs) < 0.02 and sum(diffs) / len(diffs) < 0.01, (eager, graphed)
     (built,) = rep["cuda_graphs"]
-    assert built["impl"] == "local, full_iteration, training" and built["graphs"] == 1, built
+    assert built["impl"] == "Megatron (--cuda-graph-impl local --cuda-graph-scope full_iteration, training)" and built["graphs"] == 1, built
     captured = " ".join(built["captured_ops"])
     for op in ("rms_norm", "swiglu", "rope", "attention", "vocab_parallel_cross_entropy"):
         assert op in captured, built
