@@ -64,11 +64,14 @@ peak_smi() {  # sample nvidia-smi's used memory (and SM busy %, dmon) while $1 r
     wait $pid; local rc=$?; kill $dmon 2>/dev/null || true; echo "$peak" > "$log.smi_peak_mib"; return $rc
 }
 
+build_dataset_helpers() {  # Megatron's own step for its dataset helpers (the checkout has none built)
+    make -s -C "$MEGATRON_LM_PATH/megatron/core/datasets" \
+        LIBEXT="$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" || true
+}
+
 for run in $RUNS; do
     case $run in
-        stock)  # Megatron's own step for its dataset helpers (the checkout has no built extension)
-                make -s -C "$MEGATRON_LM_PATH/megatron/core/datasets" \
-                    LIBEXT="$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" || true
+        stock)  build_dataset_helpers
                 peak_smi "$OUTDIR/stock.log" env MEGATRON_ADAPT_DISABLE=all \
                     "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" "${STOCK_FLAGS[@]}" ;;
         adapt)  peak_smi "$OUTDIR/adapt.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_report.json" \
@@ -82,8 +85,7 @@ for run in $RUNS; do
                     "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" \
                     "${FULL_GRAPH[@]}" ;;
         stock_full_graph)
-                make -s -C "$MEGATRON_LM_PATH/megatron/core/datasets" \
-                    LIBEXT="$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" || true
+                build_dataset_helpers
                 peak_smi "$OUTDIR/stock_full_graph.log" env MEGATRON_ADAPT_DISABLE=all \
                     "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" "${STOCK_FLAGS[@]}" \
                     "${FULL_GRAPH[@]}" --logging-level 20 ;;

@@ -233,14 +233,16 @@ def main():
     from megatron_adapt.config import Config
     core._state.setdefault("config", Config.resolve())   # as in a patched run: read once
     backend = BACKEND   # (its check() wants a GPU: the CPU smoke run skips it)
-    if a.stub_launch:
+    from megatron_adapt.backends.cuda import _common
+    if a.stub_launch:   # every module of the backend that launches through _common.launch
         import importlib
-        for mod in ("activations", "cross_entropy", "dropout", "norms", "rope", "softmax"):
-            m = importlib.import_module(f"megatron_adapt.backends.cuda.{mod}")
-            if hasattr(m, "launch"):
+        import pkgutil
+        from megatron_adapt.backends import cuda as cuda_pkg
+        for info in pkgutil.iter_modules(cuda_pkg.__path__):
+            m = importlib.import_module(f"{cuda_pkg.__name__}.{info.name}")
+            if getattr(m, "launch", None) is _common.launch and m is not _common:
                 m.launch = lambda *args, **kw: None
     ours = backend.op
-    from megatron_adapt.backends.cuda import _common
     direct = getattr(_common, "direct_launch_enabled", lambda: False)()   # (absent before it)
 
     head = {"cpu": cpu_model(), "gpu": torch.cuda.get_device_name() if gpu else None,

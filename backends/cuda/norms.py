@@ -380,13 +380,7 @@ class _Norm(torch.autograd.Function):
             tile, warps, prefetch = _bwd_cfg(block, ctx.is_rms)
         key = (ctx.is_rms, ctx.has_bias, block, loop, tile, warps, prefetch, x2.dtype, w.dtype, dev)
         g = num_programs(dev, cdiv(rows, tile), per_sm=_RESIDENT.get(key, 2))
-        alloc = torch.zeros if loop else torch.empty
-        # dw and db partials in one allocation (rows [0] and [1] of [2, g, n] with a bias)
-        if ctx.has_bias:
-            part = alloc((2, g, n), dtype=torch.float32, device=dev)
-            dw_part, db_part = part[0], part[1]
-        else:
-            dw_part = db_part = alloc((g, n), dtype=torch.float32, device=dev)
+        dw_part, db_part = _partials(torch.zeros if loop else torch.empty, ctx.has_bias, g, n, dev)
         if loop:
             k = launch(_norm_bwd_loop, (g,), x2, w, dy2, dx, mean, rstd, dw_part, db_part, rows, n, g,
                                      IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BLOCK=block,
@@ -404,6 +398,16 @@ class _Norm(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+def _partials(alloc, has_bias, groups, n, dev):
+    """fp32 [groups, n] weight-gradient partials for dw and db, in one allocation (db's is dw's
+    buffer when there is no bias: the kernels do not write it then)."""
+    if not has_bias:
+        part = alloc((groups, n), dtype=torch.float32, device=dev)
+        return part, part
+    part = alloc((2, groups, n), dtype=torch.float32, device=dev)
+    return part[0], part[1]
+
+
 def _split_backward(ctx, x2, w, dy2, mean, rstd, dx, dw, db):
     """Wide rows: dx one row a program, then dw/db as a column reduction over row groups (x and
     dy read twice, but no program holds a row's weight-gradient partials next to the row)."""
@@ -416,8 +420,7 @@ def _split_backward(ctx, x2, w, dy2, mean, rstd, dx, dw, db):
     groups = max(1, min(cdiv(rows, br), num_programs(x2.device, rows, 4) // col_blocks + 1))
     rows_per = cdiv(cdiv(rows, groups), br) * br
     groups = cdiv(rows, rows_per)
-    part = torch.empty((2 if ctx.has_bias else 1, groups, n), dtype=torch.float32, device=x2.device)
-    dw_part, db_part = part[0], part[-1]
+    dw_part, db_part = _partials(torch.empty, ctx.has_bias, groups, n, x2.device)
     launch(_norm_bwd_dwdb, (col_blocks, groups), x2, dy2, mean, rstd, dw_part, db_part, rows, n, rows_per,
                                          IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BR=br, BN=bn,
                                          num_warps=4)

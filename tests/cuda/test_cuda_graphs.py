@@ -53,6 +53,9 @@ def test_capture_failure_names_the_op(monkeypatch):
     assert "cannot run inside a CUDA graph" in msg, msg
 
 
+FULL_ITERATION_IMPL = "Megatron (--cuda-graph-impl local --cuda-graph-scope full_iteration, training)"
+
+
 def _full_iteration_wrapper(monkeypatch, stage_iteration):
     """Megatron's FullCudaGraphWrapper at training iteration `stage_iteration` (capture at 1)."""
     fcg = pytest.importorskip("megatron.core.full_cuda_graph")
@@ -82,7 +85,7 @@ def test_full_iteration_capture_is_reported(monkeypatch):
     assert report._graphs == []
     hook(step, _full_iteration_wrapper(monkeypatch, 1), (), kwargs)       # the capture
     (built,) = report._graphs
-    assert built["impl"] == "Megatron (--cuda-graph-impl local --cuda-graph-scope full_iteration, training)" and built["graphs"] == 1, built
+    assert built["impl"] == FULL_ITERATION_IMPL and built["graphs"] == 1, built
     assert sum(n for k, n in built["captured_ops"].items() if k.startswith("rms_norm [")) == 2, built
 
 
@@ -187,6 +190,11 @@ def _pretrain(tmp: Path, name: str, tp: int, extra: list) -> tuple[dict, dict]:
     return losses, json.loads(report.read_text())
 
 
+def _assert_same_curve(eager, graphed):
+    diffs = [abs(eager[i] - graphed[i]) for i in sorted(eager)]
+    assert max(diffs) < 0.02 and sum(diffs) / len(diffs) < 0.01, (eager, graphed)
+
+
 @e2e
 @pytest.mark.parametrize("tp", [1, 2])
 def test_graphed_and_eager_loss_curves_match(tmp_path, tp):
@@ -195,8 +203,7 @@ def test_graphed_and_eager_loss_curves_match(tmp_path, tp):
     no_dropout = ["--attention-dropout", "0", "--hidden-dropout", "0"]
     eager, _ = _pretrain(tmp_path, f"eager_tp{tp}", tp, no_dropout)
     graphed, rep = _pretrain(tmp_path, f"graphed_tp{tp}", tp, no_dropout + ["--cuda-graph-impl", "local"])
-    diffs = [abs(eager[i] - graphed[i]) for i in sorted(eager)]
-    assert max(diffs) < 0.02 and sum(diffs) / len(diffs) < 0.01, (eager, graphed)
+    _assert_same_curve(eager, graphed)
     graphs = rep["cuda_graphs"]
     assert graphs and graphs[0]["graphs"] == 2 * 4, graphs        # 4 layers x fwd/bwd
     captured = " ".join(graphs[0]["captured_ops"])
@@ -240,10 +247,9 @@ def test_full_iteration_graph_and_eager_loss_curves_match(tmp_path):
     no_dropout = ["--attention-dropout", "0", "--hidden-dropout", "0"]
     eager, _ = _pretrain(tmp_path, "eager_full", 1, no_dropout)
     graphed, rep = _pretrain(tmp_path, "graphed_full", 1, no_dropout + FULL_ITERATION)
-    diffs = [abs(eager[i] - graphed[i]) for i in sorted(eager)]
-    assert max(diffs) < 0.02 and sum(diffs) / len(diffs) < 0.01, (eager, graphed)
+    _assert_same_curve(eager, graphed)
     (built,) = rep["cuda_graphs"]
-    assert built["impl"] == "Megatron (--cuda-graph-impl local --cuda-graph-scope full_iteration, training)" and built["graphs"] == 1, built
+    assert built["impl"] == FULL_ITERATION_IMPL and built["graphs"] == 1, built
     captured = " ".join(built["captured_ops"])
     for op in ("rms_norm", "swiglu", "rope", "attention", "vocab_parallel_cross_entropy"):
         assert op in captured, built
