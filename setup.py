@@ -4,6 +4,7 @@ from setuptools import setup
 PACKAGES = {
     "megatron_adapt": "megatron_adapt",
     "megatron_adapt.bootstrap": "megatron_adapt/bootstrap",
+    "megatron_adapt.apps": "megatron_adapt/apps",
     "megatron_adapt.backends": "backends",
     "megatron_adapt.backends.cpu": "backends/cpu",
     "megatron_adapt.backends.cuda": "backends/cuda",
@@ -20,6 +21,7 @@ setup(
     description="Hardware-backend plugin layer for NVIDIA Megatron-LM (cuda, npu, cpu)",
     python_requires=">=3.10",
     packages=list(PACKAGES),
+    py_modules=["megatron_adapt_cli"],  # the console scripts' entry points: see its docstring
     package_dir=PACKAGES,
     install_requires=["torch>=2.4", "wrapt>=1.15", "packaging"],
     extras_require={
@@ -32,8 +34,8 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "megatron-adapt=megatron_adapt.cli:main",
-            "megatron-adapt-run=megatron_adapt.launcher:main",
+            "megatron-adapt=megatron_adapt_cli:main",
+            "megatron-adapt-run=megatron_adapt_cli:run",
         ]
     },
 )

@@ -8,10 +8,12 @@ import sys
 
 
 def _report(args) -> int:
-    os.environ.setdefault("MEGATRON_ADAPT_AUTO", "0")
     import megatron_adapt
     from megatron_adapt.core import all_specs
 
+    # The console script imports the package inert (megatron_adapt_cli); `python -m megatron_adapt.cli`
+    # cannot, so whatever its import applied is undone first: the table is for the backend asked here.
+    megatron_adapt.revert()
     megatron_adapt.apply(args.backend, quiet=True)
     # Import every patched Megatron module so each hook fires; modules this environment lacks
     # (megatron.training without a Megatron-LM checkout) are reported as such.
@@ -37,7 +39,7 @@ def _report(args) -> int:
 
 def _demo(args) -> int:
     os.environ.setdefault("MEGATRON_ADAPT_AUTO", "0")
-    from megatron_adapt import demo
+    from megatron_adapt.apps import demo
 
     return demo.main(steps=args.steps, backend=args.backend)
 

@@ -13,14 +13,17 @@
 #   (e) stock_full_graph (not in the default RUNS): (a) with the same three flags.
 # Per run also: the GPU's busy fraction (nvidia-smi dmon SM %, median over the steady samples) and
 # the host's CPU model (lscpu), since a step that waits on the host shows there.
-# Model: 0.95B llama-like (16 layers, hidden 2048, ffn 5632, 16 heads, seq 2048, micro-batch 4, global
-# batch 16, vocab 32000, bf16, RMSNorm, SwiGLU, RoPE, untied embeddings). Prints ms/iteration
+# Model (PRESET, default llama-0.95b): 0.95B llama-like (16 layers, hidden 2048, ffn 5632, 16 heads, seq 2048, micro-batch 4, global
+# batch 16, vocab 32000, bf16, RMSNorm, SwiGLU, RoPE, untied embeddings); small presets for the
+# host-bound regime: llama-350m / llama-125m (24 x 1024 / 12 x 768, seq 1024, micro-batch 8, global
+# batch 32, the same llama choices) and gpt2-350m / gpt2-125m (the same sizes GPT-2 style: LayerNorm,
+# GeLU, biases, learned positions, tied embeddings, vocab 50257). Prints ms/iteration
 # (median of iterations WARMUP+1..ITERS), TFLOP/s per GPU (Megatron's --log-throughput count), MFU
 # against PEAK_TFLOPS, peak memory (the largest of Megatron's max allocated / max reserved reports, and
 # nvidia-smi's peak used) and both loss curves with their largest difference.
 #
 # Usage: MEGATRON_LM_PATH=/path/to/Megatron-LM scripts/bench_e2e.sh OUTDIR
-# Env: ITERS [50] WARMUP [10] PEAK_TFLOPS [989: H100/H200 SXM dense bf16] RUNS ["stock adapt adapt_graphs"]
+# Env: PRESET [llama-0.95b] ITERS [50] WARMUP [10] PEAK_TFLOPS [989: H100/H200 SXM dense bf16] RUNS ["stock adapt adapt_graphs"]
 #      EXTRA_ARGS [""]: appended to both runs (e.g. "--attention-dropout 0 --hidden-dropout 0": with
 #      dropout on, the two runs draw different dropout masks -- Megatron's RNG tracker in (a), the
 #      fused attention kernel's own Philox stream in (b), as with TE -- so their curves part ways
@@ -28,20 +31,39 @@
 set -euo pipefail
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1)}"
 OUTDIR=${1:?usage: scripts/bench_e2e.sh OUTDIR}; mkdir -p "$OUTDIR"
-ITERS=${ITERS:-50}; WARMUP=${WARMUP:-10}; PEAK_TFLOPS=${PEAK_TFLOPS:-989}; RUNS=${RUNS:-"stock adapt adapt_graphs"}
+ITERS=${ITERS:-50}; WARMUP=${WARMUP:-10}; PEAK_TFLOPS=${PEAK_TFLOPS:-989}; RUNS=${RUNS:-"stock adapt adapt_graphs"}; PRESET=${PRESET:-llama-0.95b}
 HERE=$(cd "$(dirname "$0")" && pwd)
 export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONUNBUFFERED=1
 
-MODEL=(
-    --num-layers 16 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16
-    --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 4 --global-batch-size 16
-    --tokenizer-type NullTokenizer --vocab-size 32000 --mock-data --split 949,50,1
-    --bf16 --normalization RMSNorm --swiglu --position-embedding-type rope
-    --untie-embeddings-and-output-weights --disable-bias-linear
+COMMON=(
+    --tokenizer-type NullTokenizer --mock-data --split 949,50,1 --bf16
     --train-iters "$ITERS" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5
     --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --init-method-std 0.02
     --log-interval 1 --log-throughput --eval-iters 0 --eval-interval 100000
 )
+LLAMA=(--normalization RMSNorm --swiglu --position-embedding-type rope
+       --untie-embeddings-and-output-weights --disable-bias-linear --vocab-size 32000)
+GPT2=(--normalization LayerNorm --position-embedding-type learned_absolute --vocab-size 50257)
+case $PRESET in  # model shapes; every preset keeps Megatron's default dropout unless EXTRA_ARGS says otherwise
+    llama-0.95b) MODEL=(--num-layers 16 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16
+                        --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 4
+                        --global-batch-size 16 "${LLAMA[@]}") ;;
+    llama-350m)  MODEL=(--num-layers 24 --hidden-size 1024 --ffn-hidden-size 2816 --num-attention-heads 16
+                        --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8
+                        --global-batch-size 32 "${LLAMA[@]}") ;;
+    llama-125m)  MODEL=(--num-layers 12 --hidden-size 768 --ffn-hidden-size 2048 --num-attention-heads 12
+                        --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8
+                        --global-batch-size 32 "${LLAMA[@]}") ;;
+    gpt2-350m)   MODEL=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16
+                        --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8
+                        --global-batch-size 32 "${GPT2[@]}") ;;
+    gpt2-125m)   MODEL=(--num-layers 12 --hidden-size 768 --num-attention-heads 12
+                        --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8
+                        --global-batch-size 32 "${GPT2[@]}") ;;
+    *) echo "unknown PRESET $PRESET (llama-0.95b llama-350m llama-125m gpt2-350m gpt2-125m)" >&2; exit 2 ;;
+esac
+MODEL+=("${COMMON[@]}")
+echo "$PRESET" > "$OUTDIR/preset.txt"
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
 MODEL+=("${EXTRA[@]}")
 STOCK_FLAGS=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm

@@ -2,7 +2,7 @@
 
     python scripts/checkpoint_portability_gpu.py --out $OUT       [MEGATRON_LM_PATH=... for stage 2]
 
-Stage 1 (megatron-core only, megatron_adapt.demo's tiny llama-like GPT, fp32), for the local and
+Stage 1 (megatron-core only, megatron_adapt.apps.demo's tiny llama-like GPT, fp32), for the local and
 the TE-named layer spec:
   * cpu TP=2 (2 processes, gloo) trains 2 steps and saves torch_dist X; cuda (1 process, TP=1)
     loads X, re-saves it at once as Y and takes one step. Every tensor of Y must equal X's bit for
@@ -33,8 +33,6 @@ import traceback
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 TOL = 2e-3
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -63,7 +61,7 @@ def compare(a: dict, b: dict) -> dict:
 
 
 def stage1(out_dir: str, pair=("cpu", "cuda")) -> list[dict]:
-    from megatron_adapt.demo import RunConfig, losses_of, run
+    from megatron_adapt.apps.demo import RunConfig, losses_of, run
 
     base = RunConfig(steps=2, normalization="RMSNorm", swiglu=True, position_embedding="rope")
     checks = []

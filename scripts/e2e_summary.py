@@ -64,18 +64,22 @@ def main():
     res = {r: parse(out / f"{r}.log", a.warmup, a.peak_tflops) for r in a.runs}
     host = (out / "host_cpu.txt").read_text().strip() if (out / "host_cpu.txt").exists() else "unknown"
     gpu = (out / "gpu.txt").read_text().strip() if (out / "gpu.txt").exists() else "unknown"
-    print(f"GPU: {gpu} | host CPU: {host}")
+    preset = (out / "preset.txt").read_text().strip() if (out / "preset.txt").exists() else "llama-0.95b"
+    print(f"preset: {preset} | GPU: {gpu} | host CPU: {host}")
     base = res.get("stock", {}).get("ms_per_iter")
     print(f"{'run':13} {'ms/iter':>9} {'vs stock':>8} {'TFLOP/s/GPU':>12} {'MFU':>7} {'GPU busy':>9} {'graphs':>6} "
           f"{'max alloc GB':>13} {'max resv GB':>12} {'smi peak GB':>12}")
     for r, v in res.items():
         f = lambda x, fmt: format(x, fmt) if x is not None else "-"
         v["speedup_vs_stock"] = base / v["ms_per_iter"] if base else None
-        v["host_cpu"], v["gpu"] = host, gpu
+        v["host_cpu"], v["gpu"], v["preset"] = host, gpu, preset
         print(f"{r:13} {v['ms_per_iter']:9.1f} {f(v['speedup_vs_stock'], '7.2f')}x {f(v['tflops_per_gpu'], '12.1f')} "
               f"{f(v['mfu'] and 100 * v['mfu'], '6.1f')}% {f(v['gpu_busy'] and 100 * v['gpu_busy'], '8.0f')}% "
               f"{'yes' if v['cuda_graphs'] else 'no':>6} "
               f"{f(v['max_allocated_gb'], '13.2f')} {f(v['max_reserved_gb'], '12.2f')} {f(v['smi_peak_gb'], '12.2f')}")
+    if {"adapt", "adapt_graphs"} <= set(res):  # how much of the default step waits on the host
+        ratio = res["adapt"]["ms_per_iter"] / res["adapt_graphs"]["ms_per_iter"]
+        print(f"adapt / adapt_graphs: {ratio:.2f}x (defaults' time over --cuda-graph-impl local's)")
     if {"stock", "adapt"} <= set(res):
         s, b = res["stock"], res["adapt"]
         common = sorted(set(s["losses"]) & set(b["losses"]))

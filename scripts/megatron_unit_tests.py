@@ -6,7 +6,7 @@
 Runs, from the checkout's root (it must match the installed megatron-core: tag core_v<version>),
 
     megatron-adapt-run python -m torch.distributed.run --nproc-per-node N -m pytest \
-        -p megatron_adapt.pytest_plugin --megatron-adapt-json OUT/<run>/rank{rank}.json FILES
+        -p megatron_adapt.apps.pytest_plugin --megatron-adapt-json OUT/<run>/rank{rank}.json FILES
 
 once for the 16 files of issue 11 (`--set core16`), once per extra directory (`--dirs`), each with
 `--run-timeout` seconds. Counts come from the plugin's per-rank JSON (rank 0's; a test whose
@@ -53,7 +53,7 @@ def run(name, targets, args, lm):
         raise SystemExit("megatron-adapt-run not found: pip install megatron-adapt into this Python")
     cmd = [launcher, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
            "--master-port", str(args.master_port), "--tee", "3",
-           "-m", "pytest", "-q", "-rs", "--maxfail=1000000", "--continue-on-collection-errors", "-p", "no:cacheprovider", "-p", "megatron_adapt.pytest_plugin",
+           "-m", "pytest", "-q", "-rs", "--maxfail=1000000", "--continue-on-collection-errors", "-p", "no:cacheprovider", "-p", "megatron_adapt.apps.pytest_plugin",
            "--megatron-adapt-json", os.path.join(out, "rank{rank}.json"),
            "--megatron-adapt-test-timeout", str(args.test_timeout), *args.pytest_args, *targets]
     env = dict(os.environ, MEGATRON_LM_PATH=lm, MEGATRON_ADAPT_BACKEND=args.backend,

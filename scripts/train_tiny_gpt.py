@@ -11,7 +11,7 @@ from dataclasses import replace
 
 os.environ.setdefault("MEGATRON_ADAPT_AUTO", "0")
 
-from megatron_adapt.demo import RunConfig, losses_of, run  # noqa: E402
+from megatron_adapt.apps.demo import RunConfig, losses_of, run  # noqa: E402
 
 
 def main():

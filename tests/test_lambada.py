@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import lambada_corpus as corpus
-from megatron_adapt import lambada
-from megatron_adapt.evaluate_lambada import greedy_hits
+from megatron_adapt.apps import lambada
+from megatron_adapt.apps.evaluate_lambada import greedy_hits
 
 
 def _jsonl(tmp_path, lines):

@@ -1,4 +1,4 @@
-"""megatron_adapt.pytest_plugin against a miniature of Megatron-LM's tests/unit_tests layout (no
+"""megatron_adapt.apps.pytest_plugin against a miniature of Megatron-LM's tests/unit_tests layout (no
 checkout needed): a conftest that downloads and asks is_te_min_version, a Utils with
 initialize_model_parallel, a test module importing Transformer Engine's fp8 names at module level.
 The real suite runs in tests/megatron_lm/test_megatron_unit_tests.py."""
@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from megatron_adapt import pytest_plugin
+from megatron_adapt.apps import pytest_plugin
 
 # The console script pip installed for this Python (its scripts directory), else the one on PATH.
 LAUNCHER = next((p for p in (os.path.join(sysconfig.get_path("scripts"), "megatron-adapt-run"),
@@ -137,11 +137,11 @@ def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
     # A skip-table entry for one test of this tree, as the real table has for Megatron's files.
     table = tmp_path / "extra_skip.py"
     table.write_text(textwrap.dedent("""
-        from megatron_adapt import pytest_plugin as p
+        from megatron_adapt.apps import pytest_plugin as p
         p.SKIPS.append(p.Skip("tests/unit_tests/models/test_gpt_model.py::test_listed_in_*", "te",
                               "exercises a TE module"))
     """))
-    proc = run_pytest(tmp_path, "-p", "extra_skip", "-p", "megatron_adapt.pytest_plugin",
+    proc = run_pytest(tmp_path, "-p", "extra_skip", "-p", "megatron_adapt.apps.pytest_plugin",
                       "--megatron-adapt-json", str(tmp_path / "out" / "rank{rank}.json"),
                       PYTHONPATH=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -174,7 +174,7 @@ def test_plugin_is_inert_unless_enabled(tmp_path):
 def test_plugin_refuses_without_megatron_adapt_applied(tmp_path):
     """`import megatron_adapt` (the plugin's own import) applies; MEGATRON_ADAPT_AUTO=0 says not to."""
     make_tree(tmp_path)
-    proc = run_pytest(tmp_path, "-p", "megatron_adapt.pytest_plugin", launcher=False, MEGATRON_ADAPT_AUTO="0")
+    proc = run_pytest(tmp_path, "-p", "megatron_adapt.apps.pytest_plugin", launcher=False, MEGATRON_ADAPT_AUTO="0")
     assert proc.returncode != 0 and "megatron-adapt is not applied" in proc.stderr, proc.stderr[-3000:]
 
 
@@ -198,7 +198,7 @@ def test_a_test_past_its_time_limit_fails_and_the_run_goes_on(tmp_path):
         def test_after():
             pass
     """))
-    proc = run_pytest(tmp_path, "-p", "megatron_adapt.pytest_plugin", "--megatron-adapt-test-timeout", "3",
+    proc = run_pytest(tmp_path, "-p", "megatron_adapt.apps.pytest_plugin", "--megatron-adapt-test-timeout", "3",
                       "--megatron-adapt-json", str(tmp_path / "out" / "rank{rank}.json"), "-k", "slow")
     report = json.loads((tmp_path / "out" / "rank0.json").read_text())
     tests = {k.split("::", 1)[1]: v for k, v in report["tests"].items()}

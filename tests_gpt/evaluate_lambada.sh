@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # LAMBADA cloze evaluation (strict last-word accuracy and perplexity) of a checkpoint written by
 # stock Megatron-LM pretrain_gpt.py, on any megatron-adapt backend, any TP/PP:
-#   megatron-adapt-run torchrun --nproc-per-node $NPROC -m megatron_adapt.evaluate_lambada ...
+#   megatron-adapt-run torchrun --nproc-per-node $NPROC -m megatron_adapt.apps.evaluate_lambada ...
 # The model's shape comes from the checkpoint (--use-checkpoint-args); the checkpoint is torch_dist
 # and is resharded to this run's TP/PP.
 #
@@ -15,7 +15,7 @@
 #                       sbhd|bshd); the scores do not depend on it
 #   --pre=N --next=N    sliding-window attention, Megatron's --window-size PRE,NEXT: use the
 #                       window the model was trained with
-#   anything else       passed to megatron_adapt.evaluate_lambada / Megatron after the defaults
+#   anything else       passed to megatron_adapt.apps.evaluate_lambada / Megatron after the defaults
 #                       below (a later flag wins), e.g. another tokenizer:
 #                       --tokenizer-type HuggingFaceTokenizer --tokenizer-model NAME
 #
@@ -64,7 +64,7 @@ fi
 [[ -n "${RESULTS_JSON:-}" ]] && ARGS+=(--lambada-results-json "$RESULTS_JSON")
 
 CMD=(torchrun --nproc-per-node "$NPROC" --master-port "$MASTER_PORT"
-     -m megatron_adapt.evaluate_lambada "${ARGS[@]}" "${EXTRA[@]}")
+     -m megatron_adapt.apps.evaluate_lambada "${ARGS[@]}" "${EXTRA[@]}")
 [[ -n "$LAUNCHER" ]] && CMD=("$LAUNCHER" "${CMD[@]}")
 echo "+ ${CMD[*]}" >&2
 exec "${CMD[@]}"

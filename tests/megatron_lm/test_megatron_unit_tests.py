@@ -1,7 +1,7 @@
 """Megatron-LM's own unit tests (issue 11's 16 files) under megatron-adapt, cpu backend, 2 processes.
 
 Runs scripts/megatron_unit_tests.py (megatron-adapt-run torchrun --nproc-per-node 2 -m pytest
--p megatron_adapt.pytest_plugin ...) from the checkout MEGATRON_LM_PATH names, which must match the
+-p megatron_adapt.apps.pytest_plugin ...) from the checkout MEGATRON_LM_PATH names, which must match the
 installed megatron-core. Every test passes or is skipped with a reason from the plugin's table or
 its world-size guard (docs/megatron-unit-tests.md); none fails or errors.
 """

@@ -1,4 +1,4 @@
-"""Training parity: the tiny GPT (megatron_adapt.demo) at TP=2 over gloo, MEGATRON_ADAPT_BACKEND=npu
+"""Training parity: the tiny GPT (megatron_adapt.apps.demo) at TP=2 over gloo, MEGATRON_ADAPT_BACKEND=npu
 under the torch_npu EMULATION against the cpu backend, same seed, same data, 10 steps.
 
 The model is the Llama-style configuration (RMSNorm, SwiGLU, RoPE, causal attention) so that
@@ -30,7 +30,7 @@ def emulation_on_path():
 
 
 def test_tiny_gpt_tp2_npu_matches_cpu(emulation_on_path):
-    demo = pytest.importorskip("megatron_adapt.demo")
+    demo = pytest.importorskip("megatron_adapt.apps.demo")
     base = demo.RunConfig(tp=2, steps=STEPS, normalization="RMSNorm", swiglu=True,
                           position_embedding="rope")
     cpu = demo.run(dataclasses.replace(base, backend="cpu"))

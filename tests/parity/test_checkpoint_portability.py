@@ -1,7 +1,7 @@
 """Tier 3: checkpoint portability across backends, parallel layouts and layer specs, through
 megatron-core's public API only (runs in CI: no Megatron-LM checkout needed).
 
-The tiny llama-like GPT of megatron_adapt.demo (RMSNorm, SwiGLU, RoPE, fp32, so the npu backend's
+The tiny llama-like GPT of megatron_adapt.apps.demo (RMSNorm, SwiGLU, RoPE, fp32, so the npu backend's
 npu_rms_norm / npu_swiglu / npu_rotary_mul / npu_fusion_attention all run) trains 2 steps on the
 cpu backend at TP=2 and saves a torch_dist checkpoint X. Another backend / layout loads X,
 re-saves what it loaded (before any step) as Y and takes one training step. Checked:
@@ -23,7 +23,7 @@ import sys
 import pytest
 import torch
 
-from megatron_adapt.demo import RunConfig, losses_of, run
+from megatron_adapt.apps.demo import RunConfig, losses_of, run
 
 EMULATION_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "npu", "emulation")
 NPU_TOL, LAYOUT_TOL = 5e-4, 2e-3

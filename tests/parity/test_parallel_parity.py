@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from megatron_adapt.demo import RunConfig, losses_of, run
+from megatron_adapt.apps.demo import RunConfig, losses_of, run
 
 STEPS = 10
 TOL = 2e-3

@@ -1,6 +1,6 @@
 """LAMBADA cloze evaluation of a checkpoint written by stock Megatron-LM pretrain_gpt.py.
 
-    megatron-adapt-run torchrun --nproc-per-node N -m megatron_adapt.evaluate_lambada \\
+    megatron-adapt-run torchrun --nproc-per-node N -m megatron_adapt.apps.evaluate_lambada \\
         --load CKPT --use-checkpoint-args --lambada-data lambada.jsonl \\
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
         --micro-batch-size 8 [--tensor-model-parallel-size T --pipeline-model-parallel-size P ...]
@@ -25,11 +25,11 @@ import sys
 
 import torch
 
-from megatron_adapt import lambada
+from megatron_adapt.apps import lambada
 
 
 def add_lambada_args(parser):
-    group = parser.add_argument_group(title="LAMBADA evaluation (megatron_adapt.evaluate_lambada)")
+    group = parser.add_argument_group(title="LAMBADA evaluation (megatron_adapt.apps.evaluate_lambada)")
     group.add_argument("--lambada-data", required=True,
                        help='LAMBADA jsonl: one {"text": passage} object per line')
     group.add_argument("--lambada-results-json", default=None,

@@ -217,23 +217,41 @@ def _free_port() -> int:
 
 
 def run(cfg: RunConfig) -> list[dict]:
-    """Train `cfg` in cfg.world fresh processes; return each rank's result, ordered by rank."""
+    """Train `cfg` in cfg.world fresh processes; return each rank's result, ordered by rank.
+
+    A worker that dies before it reports (killed, or failing before `_worker` runs, e.g. at import)
+    ends the run at once: the others are stopped and the error names the rank and its exit code
+    (its traceback is on stderr above)."""
+    from multiprocessing.connection import wait
+
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, cfg, _free_port() if False else port, queue))
-             for port in [_free_port()] for r in range(cfg.world)]
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, cfg, port, queue)) for r in range(cfg.world)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
-    while len(results) < cfg.world:
-        rank, res = queue.get()
-        results[rank] = res
-        if isinstance(res, BaseException):
+    try:
+        while len(results) < cfg.world:
+            if queue.empty():
+                dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                        if r not in results and p.exitcode is not None]
+                if dead and queue.empty():  # a result put just before exiting is read first
+                    rank, code = dead[0]
+                    raise RuntimeError(f"demo worker rank {rank} exited with code {code} before it reported "
+                                       "a result (its error is printed above)")
+                wait([p.sentinel for p in procs], timeout=0.2)  # wakes at once when a worker exits
+                continue
+            rank, res = queue.get()
+            results[rank] = res
+            if isinstance(res, BaseException):
+                raise res
+    finally:
+        if len(results) < cfg.world or any(isinstance(r, BaseException) for r in results.values()):
             for p in procs:
                 p.terminate()
-            raise res
     for p in procs:
         p.join()
     return [results[r] for r in range(cfg.world)]

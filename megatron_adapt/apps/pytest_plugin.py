@@ -3,7 +3,7 @@
 Enabled only by name, from a Megatron-LM checkout's root (the checkout matching the installed
 megatron-core), under the launcher:
 
-    megatron-adapt-run torchrun --nproc-per-node 2 -m pytest -p megatron_adapt.pytest_plugin \
+    megatron-adapt-run torchrun --nproc-per-node 2 -m pytest -p megatron_adapt.apps.pytest_plugin \
         [--megatron-adapt-json out/rank{rank}.json] tests/unit_tests/...
 
 Loaded without `-p` it does nothing (there is no entry point). Enabled, it:
@@ -154,7 +154,7 @@ def _backend_and_version():
     backend = active_backend()
     if backend is None:
         raise pytest.UsageError(
-            "megatron_adapt.pytest_plugin: megatron-adapt is not applied in this process; run "
+            "megatron_adapt.apps.pytest_plugin: megatron-adapt is not applied in this process; run "
             "pytest under `megatron-adapt-run` (or `import megatron_adapt` with MEGATRON_ADAPT_AUTO unset)")
     return backend.name, megatron_core_version()
 
@@ -189,7 +189,7 @@ class _Plugin:
             return
         if hasattr(plugin, "download_and_extract_asset"):
             def no_download(*args, **kwargs):
-                raise RuntimeError("megatron_adapt.pytest_plugin: no downloads; tests that need "
+                raise RuntimeError("megatron_adapt.apps.pytest_plugin: no downloads; tests that need "
                                    "/opt/data are skipped (category 'download')")
             plugin.download_and_extract_asset = no_download
         utilities = importlib.import_module(name.rsplit(".", 1)[0] + ".test_utilities")
@@ -242,7 +242,7 @@ class _Plugin:
             return (yield)
 
         def expired(signum, frame):
-            raise TimeoutError(f"megatron_adapt.pytest_plugin: {item.nodeid} ran past its time limit "
+            raise TimeoutError(f"megatron_adapt.apps.pytest_plugin: {item.nodeid} ran past its time limit "
                                f"of {limit:g} s (--megatron-adapt-test-timeout)")
         previous = signal.signal(signal.SIGALRM, expired)
         signal.setitimer(signal.ITIMER_REAL, limit)
@@ -403,7 +403,7 @@ def _te_fp8_shim():
     duration of one test module's import. Nothing pretends FP8 works."""
     names = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.fp8")
     if any(n in sys.modules for n in names):
-        raise RuntimeError("megatron_adapt.pytest_plugin: a transformer_engine module is already "
+        raise RuntimeError("megatron_adapt.apps.pytest_plugin: a transformer_engine module is already "
                            "imported; the TE shim is for runs without Transformer Engine")
     reason = "megatron-adapt: Transformer Engine is not installed, FP8 is not available"
 
@@ -434,6 +434,6 @@ def _te_fp8_shim():
 
 
 def pytest_configure(config):
-    # Enabled by `-p megatron_adapt.pytest_plugin`: only then is this module a plugin at all.
+    # Enabled by `-p megatron_adapt.apps.pytest_plugin`: only then is this module a plugin at all.
     if not config.pluginmanager.has_plugin("megatron_adapt_unit_tests"):
         config.pluginmanager.register(_Plugin(config), "megatron_adapt_unit_tests")

@@ -2,7 +2,7 @@
 
 Reading LAMBADA's jsonl, cutting each passage into context + last word (strict, as Megatron-LM's
 old ``tasks/zeroshot_gpt`` did with ``--strict-lambada``), packing examples into fixed-size
-micro-batches, adding up the scores, and a progress bar. ``megatron_adapt.evaluate_lambada`` runs
+micro-batches, adding up the scores, and a progress bar. ``megatron_adapt.apps.evaluate_lambada`` runs
 the model over these batches through Megatron.
 
 Definitions (docs/evaluation.md):
