@@ -17,6 +17,8 @@ ENV_ATTENTION_LAYOUT = "MEGATRON_ADAPT_ATTENTION_LAYOUT"  # sbhd (SBH) | bshd (B
 ENV_ALLOW_UNTESTED = "MEGATRON_ADAPT_ALLOW_UNTESTED_MEGATRON"  # "1": try a megatron-core newer than SUPPORTED
 ENV_EXTERNAL = "MEGATRON_ADAPT_EXTERNAL"  # auto | off | liger | apex (backends/cuda/providers.py)
 ENV_CHECKPOINT_HARDEN = "MEGATRON_ADAPT_CHECKPOINT_HARDEN"  # "1": patches/checkpoint_hardening.py
+ENV_CUDA_GRAPHS = "MEGATRON_ADAPT_CUDA_GRAPHS"  # off | local | auto (patches/cuda_graphs.py)
+CUDA_GRAPH_MODES = ("off", "local", "auto")
 EXTERNAL_MODES = ("auto", "off", "liger", "apex", "flash_attn")
 ATTENTION_LAYOUTS = {"sbhd": "sbhd", "sbh": "sbhd", "bshd": "bshd", "bsh": "bshd"}
 
@@ -47,6 +49,15 @@ def _external(value: str | None) -> str:
     return mode
 
 
+def _cuda_graphs(value: str | None) -> str:
+    mode = (value or "off").strip().lower()
+    if mode not in CUDA_GRAPH_MODES:
+        from .errors import ConfigError
+        raise ConfigError(f"{ENV_CUDA_GRAPHS}={value!r}: expected one of {', '.join(CUDA_GRAPH_MODES)} "
+                          "(local: turn on Megatron's --cuda-graph-impl local; auto: where it can capture)")
+    return mode
+
+
 @dataclass(frozen=True)
 class Config:
     backend: str = "auto"
@@ -58,13 +69,14 @@ class Config:
     external: str = "auto"          # other libraries' kernels: auto (where faster) | off | liger | apex | flash_attn
     allow_untested: bool = False    # a megatron-core newer than SUPPORTED warns instead of failing
     checkpoint_harden: bool = False  # checkpoint files 0640 / dirs 0750, refuse world-writable, weights_only
+    cuda_graphs: str = "off"        # Megatron's own CUDA graphs: off (Megatron's flags decide) | local | auto
 
     @classmethod
     def resolve(cls, backend: str | None = None, **switches) -> "Config":
         """Explicit arguments win over the environment.
 
         switches: strict=bool, report_path=str, quiet=bool, attention_layout=str, external=str,
-        allow_untested=bool, checkpoint_harden=bool, disable=iterable of areas, and
+        allow_untested=bool, checkpoint_harden=bool, cuda_graphs=str, disable=iterable of areas, and
         ``<area>=False`` to turn one patch area off (``cross_entropy=False``).
         """
         env = os.environ
@@ -72,7 +84,7 @@ class Config:
         disabled |= set(switches.pop("disable", ()) or ())
         for key in list(switches):
             if key in ("strict", "report_path", "quiet", "attention_layout", "external", "allow_untested",
-                       "checkpoint_harden"):
+                       "checkpoint_harden", "cuda_graphs"):
                 continue
             value = switches.pop(key)
             if value is False:
@@ -96,6 +108,7 @@ class Config:
             external=_external(switches.get("external", env.get(ENV_EXTERNAL))),
             allow_untested=switches.get("allow_untested", _truthy(env.get(ENV_ALLOW_UNTESTED))),
             checkpoint_harden=bool(harden),
+            cuda_graphs=_cuda_graphs(switches.get("cuda_graphs", env.get(ENV_CUDA_GRAPHS))),
         )
 
     def enabled(self, area: str) -> bool:

@@ -13,6 +13,13 @@ and the ops that module serves), so a kernel that cannot be captured is named, n
 FullCudaGraphWrapper` wraps the whole forward-backward function (every micro-batch) and captures
 it once, at iteration `--cuda-graph-warmup-steps`. Its `__call__` is wrapped the same way: that
 capture is counted and reported, and a failure inside a backend op is named.
+
+MEGATRON_ADAPT_CUDA_GRAPHS=local|auto turns Megatron's own `--cuda-graph-impl local` on without
+editing a launch script (`parse_args` wrapped: the flag is set before `validate_args` checks it).
+Small models' default steps wait on the host (docs/benchmarks.md); graphs replay a layer's kernels
+with one launch. Where the configuration cannot be captured the run stays eager and the report says
+why (`local`: a fallback, an error under MEGATRON_ADAPT_STRICT=1; `auto`: recorded as the choice).
+A user's own --cuda-graph-impl always wins. Default `off`: Megatron's flags alone decide.
 """
 import os
 import sys
@@ -119,7 +126,53 @@ def build_full_iteration(backend, original):
     return full_iteration_call
 
 
+def graph_plan(args, backend_name: str) -> str | None:
+    """Why Megatron's layer-scope CUDA graphs cannot capture this configuration, or None if they can."""
+    if backend_name != "cuda":
+        return f"CUDA graphs need the cuda backend (this process runs {backend_name})"
+    if getattr(args, "num_experts", None):
+        return ("MoE (--num-experts): the token dispatcher's shapes change every step, so whole-layer "
+                "graphs cannot capture it")
+    if getattr(args, "cpu_offloading", False) or getattr(args, "cpu_offloading_num_layers", 0):
+        return "--cpu-offloading moves activations to the host inside the layer"
+    if getattr(args, "inference_dynamic_batching", False) or getattr(args, "enable_cuda_graph", False) \
+            or getattr(args, "external_cuda_graph", False):
+        return "Megatron's own CUDA graph flags are set"
+    return None
+
+
+def build_switch(backend, original):
+    def parse_args(wrapped, instance, args, kwargs):
+        from megatron_adapt.core import active_config
+
+        ns = wrapped(*args, **kwargs)
+        mode = active_config().cuda_graphs
+        if mode == "off":
+            return ns
+        current = getattr(ns, "cuda_graph_impl", "none")
+        if current != "none":
+            report.ran("cuda_graphs.switch", f"--cuda-graph-impl {current} (the launch's own flag kept)")
+            return ns
+        why_not = graph_plan(ns, backend.name)
+        if why_not is None:
+            ns.cuda_graph_impl = "local"
+            report.ran("cuda_graphs.switch", f"--cuda-graph-impl local (MEGATRON_ADAPT_CUDA_GRAPHS={mode})")
+            message = f"MEGATRON_ADAPT_CUDA_GRAPHS={mode}: turned on Megatron's --cuda-graph-impl local"
+        elif mode == "local":
+            report.fell_back("cuda_graphs.switch", "eager", why_not)
+            message = f"MEGATRON_ADAPT_CUDA_GRAPHS=local: running eager: {why_not}"
+        else:
+            report.ran("cuda_graphs.switch", f"eager (auto: {why_not})")
+            message = f"MEGATRON_ADAPT_CUDA_GRAPHS=auto: running eager: {why_not}"
+        if report._rank() == 0:
+            print(f"megatron-adapt: {message}", file=sys.stderr, flush=True)
+        return ns
+    return parse_args
+
+
 SPECS = [
+    PatchSpec("megatron.training.arguments:parse_args", area="cuda_graphs", mode=WRAP,
+              build=build_switch, optional=True),
     PatchSpec("megatron.core.transformer.cuda_graphs:create_cudagraphs", area="cuda_graphs",
               mode=WRAP, build=build),
     PatchSpec("megatron.core.full_cuda_graph:FullCudaGraphWrapper.__call__", area="cuda_graphs",

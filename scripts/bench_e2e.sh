@@ -102,6 +102,10 @@ for run in $RUNS; do
                 peak_smi "$OUTDIR/adapt_graphs.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_graphs_report.json" \
                     "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" \
                     --cuda-graph-impl local ;;
+        adapt_switch)  # (c) through MEGATRON_ADAPT_CUDA_GRAPHS=local instead of the flag
+                peak_smi "$OUTDIR/adapt_switch.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_switch_report.json" \
+                    MEGATRON_ADAPT_CUDA_GRAPHS=local \
+                    "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" ;;
         adapt_full_graph)
                 peak_smi "$OUTDIR/adapt_full_graph.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_full_graph_report.json" \
                     "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" \
