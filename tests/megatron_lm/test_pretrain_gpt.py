@@ -324,3 +324,15 @@ def test_default_impl_and_wgrad_fusion_match_stock_local_unfused(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def test_cuda_graph_switch_on_cpu_names_why_and_trains(tmp_path):
+    """MEGATRON_ADAPT_CUDA_GRAPHS through Megatron's real parse_args: on the cpu backend `auto`
+    stays eager and says why; `local` does the same, and under MEGATRON_ADAPT_STRICT=1 refuses."""
+    why = "CUDA graphs need the cuda backend (this process runs cpu)"
+    auto = pretrain([], tmp_path, "graphs_auto", iters=3, env={"MEGATRON_ADAPT_CUDA_GRAPHS": "auto"}).check()
+    assert f"MEGATRON_ADAPT_CUDA_GRAPHS=auto: running eager: {why}" in auto.out
+    assert "cuda_graph_impl ................................. none" in auto.out
+    strict = pretrain([], tmp_path, "graphs_strict", iters=3,
+                      env={"MEGATRON_ADAPT_CUDA_GRAPHS": "local", "MEGATRON_ADAPT_STRICT": "1"})
+    assert strict.rc != 0 and "StrictFallbackError" in strict.out and why in strict.out
