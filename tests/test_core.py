@@ -181,6 +181,16 @@ def test_fallback_without_strict_is_reported():
     assert "FELL BACK: softmax_offset" in out, out
 
 
+def test_patch_spec_docstring_documents_exactly_its_fields():
+    import dataclasses
+    import re
+
+    from megatron_adapt.spec import PatchSpec
+
+    documented = re.findall(r"^    (\w+):", PatchSpec.__doc__, re.MULTILINE)
+    assert documented == [f.name for f in dataclasses.fields(PatchSpec)], documented
+
+
 def test_signature_check_rejects_a_narrower_replacement():
     from megatron_adapt.applier import signature_problem
 
