@@ -170,73 +170,119 @@ def _alias_modules(original):
             yield name, mod
 
 
+class _Outcome(Exception):
+    """How apply_spec ends, recorded in one place: raised by the step that stops a spec.
+
+    status, reason: the report record's. After recording, `error` (the build's own exception) is
+    re-raised, or with `fatal` a PatchError naming the target (chained to this outcome's __cause__).
+    """
+
+    def __init__(self, status: str, reason: str = "", *, fatal: bool = False, error: Exception | None = None):
+        super().__init__(reason)
+        self.status, self.reason, self.fatal, self.error = status, reason, fatal, error
+
+
 def apply_spec(spec: PatchSpec, backend, config, version, untested: str | None = None) -> None:
+    """gate -> find target -> build -> install -> rebind aliases -> verify; record how it ended."""
     rec = report.patch_record(spec)
     rec.status, rec.reason, rec.unrebound = report.PENDING, "", []
     if spec.target in _installed:
         return  # idempotent
+    try:
+        _gate(spec, backend, config, version)
+        owner, attr, original, had = _find_target(spec, config.strict, untested)
+        if is_ours(original):
+            return  # installed already, through another of its names
+        built = _build(spec, backend, original, config.strict)
+        inst = _install(spec, owner, attr, original, had, _new_object(spec, original, built))
+        rec.sites = [spec.target, *_rebind_aliases(inst)]
+        _verify(inst, rec.sites[1:])
+        rec.unrebound = _find_unrebound(inst)
+        rec.implementation = getattr(inst.new, "__megatron_adapt_impl__", None) or _name(built)
+        outcome = _Outcome(report.APPLIED)
+    except _Outcome as stop:
+        outcome = stop
+    rec.status, rec.reason = outcome.status, outcome.reason
+    if outcome.error is not None:
+        raise outcome.error
+    if outcome.fatal:
+        raise PatchError(f"{spec.target}: {outcome.reason}") from outcome.__cause__
+
+
+def _gate(spec: PatchSpec, backend, config, version) -> None:
+    """Stop before touching Megatron when the area is off, or the backend or version does not want it."""
     if not config.enabled(spec.area):
-        rec.status, rec.reason = report.DISABLED, f"area {spec.area!r} disabled"
-        return
+        raise _Outcome(report.DISABLED, f"area {spec.area!r} disabled")
     if backend.name not in spec.backends:
-        rec.status, rec.reason = report.SKIPPED, f"not needed on the {backend.name} backend"
-        return
+        raise _Outcome(report.SKIPPED, f"not needed on the {backend.name} backend")
     if not in_range(spec.versions, version):
-        rec.status, rec.reason = report.SKIPPED, f"megatron-core {version} outside {spec.versions}"
-        return
+        raise _Outcome(report.SKIPPED, f"megatron-core {version} outside {spec.versions}")
+
+
+def _find_target(spec: PatchSpec, strict: bool, untested: str | None):
+    """(owner, attr, original, owner had it): a missing target is reported, and fatal when strict."""
     try:
-        owner, attr, original, had = _resolve(spec)
+        return _resolve(spec)
     except (KeyError, AttributeError) as exc:
-        rec.status = report.SKIPPED if spec.optional else report.FAILED
         where = f" in untested megatron-core {untested}" if untested else ""
-        rec.reason = f"{report.NOT_FOUND}{where}: {exc}"
-        if config.strict and not spec.optional:
-            raise PatchError(f"{spec.target}: {rec.reason}") from exc
-        return
-    if is_ours(original):
-        return
+        raise _Outcome(report.SKIPPED if spec.optional else report.FAILED, f"{report.NOT_FOUND}{where}: {exc}",
+                       fatal=strict and not spec.optional) from exc
+
+
+def _build(spec: PatchSpec, backend, original, strict: bool):
+    """The backend's implementation: a build that does not load is a failure, never silent."""
     try:
-        built = spec.build(backend, original)
+        return spec.build(backend, original)
     except SkipPatch as why:
-        rec.status, rec.reason = report.SKIPPED, str(why)
-        return
-    except Exception as exc:  # a backend op that cannot load is a failure, never silent
-        rec.status, rec.reason = report.FAILED, f"build failed: {type(exc).__name__}: {exc}"
-        if config.strict:
-            raise
-        return
-    if spec.mode == REPLACE:
-        new = built
-        if spec.check_signature and callable(original) and not inspect.isclass(original):
-            problem = signature_problem(original, new)
-            if problem:
-                rec.status, rec.reason = report.FAILED, f"signature incompatible: {problem}"
-                raise PatchError(f"{spec.target}: {rec.reason}")
-    else:
-        new = wrapt.FunctionWrapper(original, built)
+        raise _Outcome(report.SKIPPED, str(why)) from None
+    except Exception as exc:
+        raise _Outcome(report.FAILED, f"build failed: {type(exc).__name__}: {exc}",
+                       error=exc if strict else None) from None
+
+
+def _new_object(spec: PatchSpec, original, built):
+    """What goes in the original's place: a replacement that takes every call the original takes, or a wrapper."""
+    if spec.mode != REPLACE:
+        return wrapt.FunctionWrapper(original, built)
+    if spec.check_signature and callable(original) and not inspect.isclass(original):
+        problem = signature_problem(original, built)
+        if problem:
+            raise _Outcome(report.FAILED, f"signature incompatible: {problem}", fatal=True)
+    return built
+
+
+def _install(spec: PatchSpec, owner, attr, original, had, new) -> Installed:
+    """Set the defining attribute and remember it, so that apply is idempotent and revert exact."""
     setattr(owner, attr, new)
-    inst = Installed(spec, owner, attr, original, new, had)
-    _installed[spec.target] = inst
+    inst = _installed[spec.target] = Installed(spec, owner, attr, original, new, had)
     _ours[id(new)] = new
-    rec.sites = [spec.target]
-    if not isinstance(owner, type) and callable(original):  # values (flags) have no identity to chase
-        for name, mod in _alias_modules(original):
-            d = getattr(mod, "__dict__", None)
-            if not isinstance(d, dict) or mod is owner:
-                continue
-            for key, value in list(d.items()):
-                if value is original:
-                    d[key] = new
-                    inst.sites.append((d, key))
-                    rec.sites.append(f"{name}:{key}")
-    bad = [s for (d, k), s in zip(inst.sites, rec.sites[1:]) if d[k] is not new]
+    return inst
+
+
+def _rebind_aliases(inst: Installed) -> list[str]:
+    """Rebind module globals that are the original (Megatron imports by name); returns their names."""
+    names: list[str] = []
+    if isinstance(inst.owner, type) or not callable(inst.original):
+        return names  # values (flags) have no identity to chase
+    for name, mod in _alias_modules(inst.original):
+        d = getattr(mod, "__dict__", None)
+        if not isinstance(d, dict) or mod is inst.owner:
+            continue
+        for key, value in list(d.items()):
+            if value is inst.original:
+                d[key] = inst.new
+                inst.sites.append((d, key))
+                names.append(f"{name}:{key}")
+    return names
+
+
+def _verify(inst: Installed, site_names: list[str]) -> None:
+    """Every site must hold the new object now: a half-patched process is an error."""
+    bad = [s for (d, k), s in zip(inst.sites, site_names) if d[k] is not inst.new]
+    owner, attr = inst.owner, inst.attr
     current = vars(owner).get(attr) if isinstance(owner, type) else getattr(owner, attr)
-    if current is not new or bad:  # (on a class, getattr would bind a wrapt wrapper)
-        rec.status, rec.reason = report.FAILED, f"verification failed at {bad or spec.target}"
-        raise PatchError(f"{spec.target}: {rec.reason}")
-    rec.unrebound = _find_unrebound(inst)
-    rec.status = report.APPLIED
-    rec.implementation = getattr(new, "__megatron_adapt_impl__", None) or _name(built)
+    if current is not inst.new or bad:  # (on a class, getattr would bind a wrapt wrapper)
+        raise _Outcome(report.FAILED, f"verification failed at {bad or inst.spec.target}", fatal=True)
 
 
 def _name(obj) -> str:

@@ -15,24 +15,17 @@ class SkipPatch(Exception):
 
 @dataclass(frozen=True)
 class PatchSpec:
-    """One Megatron attribute to replace or wrap.
+    """One Megatron attribute to replace or wrap; the fields, in order:
 
-    target:   "module:qualname" (e.g. "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.forward").
+    target:   "module:qualname", e.g. "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.forward".
     area:     the switch that turns it off (MEGATRON_ADAPT_DISABLE=area).
-    build:    build(backend, original) -> the new object (REPLACE), or a wrapt-style wrapper
-              ``wrapper(wrapped, instance, args, kwargs)`` (WRAP). Called lazily, once per apply.
-    versions: megatron-core range this target is known to exist and behave as assumed in. Where a
-              target changed between releases, list one spec per range for the same target (the
-              ranges must not overlap): the applier installs the one whose range holds the
-              running megatron-core.
-    backends: the backends this spec applies to (device-layer patches are cpu-only, say).
-    describe: build-independent name of what is installed, for the report when it is not yet built.
-    check_signature: the replacement must accept every parameter the original accepts.
-    optional: a missing target is "skipped" rather than "failed" (a module only some versions or
-              installations have, e.g. megatron.training without a Megatron-LM checkout).
-    create:   a module global that may be absent (a name Megatron binds only when an optional
-              package imports, e.g. `fused_weight_gradient_mlp_cuda`) is created, with
-              build(backend, None); revert deletes it again. Present, it is replaced as usual.
+    build:    build(backend, original) -> the replacement (REPLACE) or a wrapt wrapper (WRAP); may raise SkipPatch.
+    mode:     REPLACE (set the new object) or WRAP (wrapt.FunctionWrapper(original, built)); default REPLACE.
+    versions: megatron-core range it behaves as assumed in; where it changed, one spec per range (no overlap).
+    backends: the backends that want it (device-layer patches are cpu-only, say); default all three.
+    check_signature: REPLACE only: the replacement must accept every parameter the original accepts.
+    optional: a missing target is "skipped", not "failed" (e.g. megatron.training without Megatron-LM).
+    create:   an absent module global is created with build(backend, None) and deleted again by revert.
     """
 
     target: str

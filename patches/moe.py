@@ -316,72 +316,58 @@ def _bind(wrapped, args, kwargs):
     return bound.arguments
 
 
-def build_permute(backend, original):
-    moe_permute = backend.op("moe_permute")
+def _fused_wrapper(op_name, fused_at, run):
+    """A build for one of moe_utils' functions: fused=True (positional argument `fused_at`, or the
+    keyword) runs run(op, bound arguments) on the backend's op `op_name`; fused=False runs Megatron's."""
+    def build(backend, original):
+        op = backend.op(op_name)
 
-    def wrapper(wrapped, instance, args, kwargs):
-        if not _fused(args, kwargs, 4):
-            return wrapped(*args, **kwargs)
-        a = _bind(wrapped, args, kwargs)
-        return moe_permute(a["tokens"], a["routing_map"], a["probs"], a["num_out_tokens"])
-    return wrapper
-
-
-def build_unpermute(backend, original):
-    moe_unpermute = backend.op("moe_unpermute")
-
-    def wrapper(wrapped, instance, args, kwargs):
-        if not _fused(args, kwargs, 5):
-            return wrapped(*args, **kwargs)
-        a = _bind(wrapped, args, kwargs)
-        return moe_unpermute(a["permuted_tokens"], a["sorted_indices"], a["restore_shape"], a["probs"])
-    return wrapper
+        def wrapper(wrapped, instance, args, kwargs):
+            if not _fused(args, kwargs, fused_at):
+                return wrapped(*args, **kwargs)
+            return run(op, _bind(wrapped, args, kwargs))
+        return wrapper
+    return build
 
 
-def build_permute_017(backend, original):
+def _permute(moe_permute, a):
+    return moe_permute(a["tokens"], a["routing_map"], a["probs"], a["num_out_tokens"])
+
+
+def _permute_017(moe_permute, a):
     """core_v0.17+: permute(..., tokens_per_expert=None, align_size=0) returns (permuted, probs,
     row_map, pad_offsets, tokens_per_expert). align_size > 0 (the quantization padding of
     FP8/FP4 runs, TE's fused_permute_and_pad_with_probs) is refused with the reason."""
-    moe_permute = backend.op("moe_permute")
-
-    def wrapper(wrapped, instance, args, kwargs):
-        if not _fused(args, kwargs, 4):
-            return wrapped(*args, **kwargs)
-        a = _bind(wrapped, args, kwargs)
-        if a["align_size"] and a["probs"] is not None and a["tokens_per_expert"] is not None:
-            raise NotImplementedError(
-                f"permute(align_size={a['align_size']}) pads each expert for FP8/FP4 GEMMs (TE's "
-                "fused_permute_and_pad_with_probs); megatron-adapt's moe_permute does not pad")
-        out, probs, row_map = moe_permute(a["tokens"], a["routing_map"], a["probs"], a["num_out_tokens"])
-        return out, probs, row_map, None, a["tokens_per_expert"]
-    return wrapper
+    if a["align_size"] and a["probs"] is not None and a["tokens_per_expert"] is not None:
+        raise NotImplementedError(
+            f"permute(align_size={a['align_size']}) pads each expert for FP8/FP4 GEMMs (TE's "
+            "fused_permute_and_pad_with_probs); megatron-adapt's moe_permute does not pad")
+    out, probs, row_map = _permute(moe_permute, a)
+    return out, probs, row_map, None, a["tokens_per_expert"]
 
 
-def build_unpermute_017(backend, original):
+def _unpermute(moe_unpermute, a):
+    return moe_unpermute(a["permuted_tokens"], a["sorted_indices"], a["restore_shape"], a["probs"])
+
+
+def _unpermute_017(moe_unpermute, a):
     """core_v0.17+: unpermute(..., pad_offsets=None); pad_offsets come only from the padding
-    permute that build_permute_017 refuses."""
-    moe_unpermute = backend.op("moe_unpermute")
-
-    def wrapper(wrapped, instance, args, kwargs):
-        if not _fused(args, kwargs, 5):
-            return wrapped(*args, **kwargs)
-        a = _bind(wrapped, args, kwargs)
-        if a["pad_offsets"] is not None:
-            raise NotImplementedError("unpermute(pad_offsets=...) undoes FP8/FP4 expert padding, "
-                                      "which megatron-adapt's moe_permute does not add")
-        return moe_unpermute(a["permuted_tokens"], a["sorted_indices"], a["restore_shape"], a["probs"])
-    return wrapper
+    permute that _permute_017 refuses."""
+    if a["pad_offsets"] is not None:
+        raise NotImplementedError("unpermute(pad_offsets=...) undoes FP8/FP4 expert padding, "
+                                  "which megatron-adapt's moe_permute does not add")
+    return _unpermute(moe_unpermute, a)
 
 
-def build_sort_chunks(backend, original):
-    sort_chunks = backend.op("moe_sort_chunks")
+def _sort_chunks(sort_chunks, a):
+    return sort_chunks(a["input"], a["split_sizes"], a["sorted_idxs"], a["probs"])
 
-    def wrapper(wrapped, instance, args, kwargs):
-        if not _fused(args, kwargs, 4):
-            return wrapped(*args, **kwargs)
-        a = _bind(wrapped, args, kwargs)
-        return sort_chunks(a["input"], a["split_sizes"], a["sorted_idxs"], a["probs"])
-    return wrapper
+
+build_permute = _fused_wrapper("moe_permute", 4, _permute)
+build_permute_017 = _fused_wrapper("moe_permute", 4, _permute_017)
+build_unpermute = _fused_wrapper("moe_unpermute", 5, _unpermute)
+build_unpermute_017 = _fused_wrapper("moe_unpermute", 5, _unpermute_017)
+build_sort_chunks = _fused_wrapper("moe_sort_chunks", 4, _sort_chunks)
 
 
 def _te_names(backend):

@@ -181,6 +181,16 @@ def test_fallback_without_strict_is_reported():
     assert "FELL BACK: softmax_offset" in out, out
 
 
+def test_patch_spec_docstring_documents_exactly_its_fields():
+    import dataclasses
+    import re
+
+    from megatron_adapt.spec import PatchSpec
+
+    documented = re.findall(r"^    (\w+):", PatchSpec.__doc__, re.MULTILINE)
+    assert documented == [f.name for f in dataclasses.fields(PatchSpec)], documented
+
+
 def test_signature_check_rejects_a_narrower_replacement():
     from megatron_adapt.applier import signature_problem
 
@@ -211,6 +221,108 @@ def test_spec_outside_its_version_range_is_skipped_with_reason():
     """)
     out = run_python(code).stdout
     assert out.startswith("skipped |") and "outside >=0.99" in out, out
+
+
+def test_every_apply_spec_outcome_keeps_its_status_reason_and_error():
+    """Each way apply_spec ends: the record's status | reason, and what it raises (strict mode, a
+    replacement with a narrower signature, a site that does not take the new object)."""
+    code = textwrap.dedent("""
+        import sys, types
+        from megatron_adapt import applier, report
+        from megatron_adapt.spec import PatchSpec, SkipPatch
+        from megatron_adapt.config import Config
+        from megatron_adapt.versions import megatron_core_version
+        from megatron_adapt.backends import load
+
+        def f(a, b=1):
+            return 'original'
+
+        def g(a, b=1):
+            return 'original'
+
+        class Stubborn:  # a "module" whose attribute does not take the new object
+            f = staticmethod(g)
+
+            def __setattr__(self, name, value):
+                pass
+
+        mod = types.ModuleType('megatron_fake_outcomes'); mod.f = f
+        sys.modules[mod.__name__] = mod
+        sys.modules['megatron_fake_stubborn'] = Stubborn()
+        alias = types.ModuleType('megatron_fake_alias'); alias.f_alias = f
+        sys.modules[alias.__name__] = alias
+
+        def skip(b, o):
+            raise SkipPatch('not wanted here')
+
+        def boom(b, o):
+            raise RuntimeError('boom')
+
+        def new_f(a, b=1):
+            return 'new'
+
+        cpu, version = load('cpu'), megatron_core_version()
+        print(version)
+        cases = [
+            ('disabled', 'megatron_fake_outcomes:f', dict(build=lambda b, o: new_f), Config(disabled=frozenset({'x'})), None),
+            ('backend', 'megatron_fake_outcomes:f', dict(build=lambda b, o: new_f, backends=('npu',)), Config(), None),
+            ('version', 'megatron_fake_outcomes:f', dict(build=lambda b, o: new_f, versions='>=0.99'), Config(), None),
+            ('missing', 'megatron_fake_outcomes:nope', dict(build=lambda b, o: new_f), Config(), None),
+            ('missing-untested', 'megatron_fake_outcomes:nope', dict(build=lambda b, o: new_f), Config(), '0.99.0'),
+            ('missing-optional', 'megatron_fake_absent:f', dict(build=lambda b, o: new_f, optional=True), Config(strict=True), None),
+            ('missing-strict', 'megatron_fake_absent:f', dict(build=lambda b, o: new_f), Config(strict=True), None),
+            ('skip', 'megatron_fake_outcomes:f', dict(build=skip), Config(strict=True), None),
+            ('build', 'megatron_fake_outcomes:f', dict(build=boom), Config(), None),
+            ('build-strict', 'megatron_fake_outcomes:f', dict(build=boom), Config(strict=True), None),
+            ('signature', 'megatron_fake_outcomes:f', dict(build=lambda b, o: (lambda a: 0)), Config(), None),
+            ('verify', 'megatron_fake_stubborn:f', dict(build=lambda b, o: new_f), Config(), None),
+            ('applied', 'megatron_fake_outcomes:f', dict(build=lambda b, o: new_f), Config(), None),
+            ('again', 'megatron_fake_outcomes:f', dict(build=lambda b, o: new_f), Config(), None),
+            ('alias-of-ours', 'megatron_fake_alias:f_alias', dict(build=lambda b, o: new_f), Config(), None),
+        ]
+        for label, target, kw, config, untested in cases:
+            spec = PatchSpec(target, area='x', **kw)
+            try:
+                applier.apply_spec(spec, cpu, config, version, untested)
+                raised = '-'
+            except Exception as exc:
+                cause = type(exc.__cause__).__name__ if exc.__cause__ else ''
+                raised = f'{type(exc).__name__}({exc}) from {cause}'
+            rec = report.patch_record(spec)
+            print(f'{label} | {rec.status} | {rec.reason} | {raised}')
+        print('sites', report.patch_record(PatchSpec('megatron_fake_outcomes:f', area='x', build=None)).sites,
+              mod.f(0), alias.f_alias(0))
+        applier.revert_all()
+        print('reverted', mod.f(0), alias.f_alias(0))
+    """)
+    out = run_python(code).stdout.splitlines()
+    v = out.pop(0)
+    assert out == [
+        "disabled | disabled | area 'x' disabled | -",
+        "backend | skipped | not needed on the cpu backend | -",
+        f"version | skipped | megatron-core {v} outside >=0.99 | -",
+        "missing | failed | target not found: module 'megatron_fake_outcomes' has no attribute 'nope' | -",
+        "missing-untested | failed | target not found in untested megatron-core 0.99.0: "
+        "module 'megatron_fake_outcomes' has no attribute 'nope' | -",
+        "missing-optional | skipped | target not found: 'megatron_fake_absent' | -",
+        "missing-strict | failed | target not found: 'megatron_fake_absent' | "
+        "PatchError(megatron_fake_absent:f: target not found: 'megatron_fake_absent') from KeyError",
+        "skip | skipped | not wanted here | -",
+        "build | failed | build failed: RuntimeError: boom | -",
+        "build-strict | failed | build failed: RuntimeError: boom | RuntimeError(boom) from ",
+        "signature | failed | signature incompatible: replacement cannot take positional parameter 1 (b) | "
+        "PatchError(megatron_fake_outcomes:f: signature incompatible: replacement cannot take positional "
+        "parameter 1 (b)) from ",
+        "verify | failed | verification failed at megatron_fake_stubborn:f | "
+        "PatchError(megatron_fake_stubborn:f: verification failed at megatron_fake_stubborn:f) from ",
+        "applied | applied |  | -",
+        # Today's behaviour, pinned as it is: a repeated apply, or a spec whose original is already
+        # ours, returns after the record was reset (pending), before any step runs.
+        "again | pending |  | -",
+        "alias-of-ours | pending |  | -",
+        "sites ['megatron_fake_outcomes:f', '__main__:f', 'megatron_fake_alias:f_alias'] new new",
+        "reverted original original",
+    ], out
 
 
 def test_report_cli_and_json(tmp_path):
