@@ -185,14 +185,14 @@ class _Outcome(Exception):
 def apply_spec(spec: PatchSpec, backend, config, version, untested: str | None = None) -> None:
     """gate -> find target -> build -> install -> rebind aliases -> verify; record how it ended."""
     rec = report.patch_record(spec)
-    rec.status, rec.reason, rec.unrebound = report.PENDING, "", []
     if spec.target in _installed:
-        return  # idempotent
+        return  # idempotent: the record of the apply that installed it stands
+    rec.status, rec.reason, rec.unrebound = report.PENDING, "", []
     try:
         _gate(spec, backend, config, version)
         owner, attr, original, had = _find_target(spec, config.strict, untested)
         if is_ours(original):
-            return  # installed already, through another of its names
+            raise _Outcome(report.APPLIED, "installed already, through another of its names")
         built = _build(spec, backend, original, config.strict)
         inst = _install(spec, owner, attr, original, had, _new_object(spec, original, built))
         rec.sites = [spec.target, *_rebind_aliases(inst)]

@@ -316,10 +316,10 @@ def test_every_apply_spec_outcome_keeps_its_status_reason_and_error():
         "verify | failed | verification failed at megatron_fake_stubborn:f | "
         "PatchError(megatron_fake_stubborn:f: verification failed at megatron_fake_stubborn:f) from ",
         "applied | applied |  | -",
-        # Today's behaviour, pinned as it is: a repeated apply, or a spec whose original is already
-        # ours, returns after the record was reset (pending), before any step runs.
-        "again | pending |  | -",
-        "alias-of-ours | pending |  | -",
+        # A repeated apply keeps the first apply's record; a spec whose original is already ours
+        # (installed through another name) says so instead of staying pending.
+        "again | applied |  | -",
+        "alias-of-ours | applied | installed already, through another of its names | -",
         "sites ['megatron_fake_outcomes:f', '__main__:f', 'megatron_fake_alias:f_alias'] new new",
         "reverted original original",
     ], out
