@@ -1,19 +1,30 @@
 """Mixture-of-experts ops on Ascend NPUs through torch_npu.
 
-grouped_gemm: `torch_npu.npu_grouped_matmul(x: list, weight: list, *, bias, group_list, split_item,
-group_type, group_list_type, ...) -> list` in its single-tensor mode (split_item 2/3), groups along
-the rows (group_type=0) with group_list the cumulative row counts (group_list_type=0), in a
-custom autograd function as MindSpeed's GMM does: dx = the same op with the weights transposed,
-dw = the op grouped along the contraction (group_type=2) -> [E, k, n].
+grouped_gemm: `torch_npu.npu_grouped_matmul` with x one tensor and y one tensor (split_item 2/3),
+in a custom autograd function as MindSpeed-MM's GmmFunction does. Its call form depends on the
+release (chosen once from torch_npu.__version__, _lib.api()):
+
+* 7.0.0 and later: `npu_grouped_matmul([x], [w], bias=None, group_list=<int64 Tensor>,
+  split_item=2, group_type=0, group_list_type=0)` -- w one [E, k, n] tensor, group_list the
+  cumulative row counts. dx = the same with w transposed (a contiguous copy: the safe layout on
+  every release). dW = `npu_grouped_matmul([x.t()], [dy], group_list=..., split_item=3,
+  group_type=2, group_list_type=0)[0]` -> [E, k, n], the K-axis grouping, whose documented layout
+  (aclnnGroupedMatmulV4, groupType 2) is x *transposed* (a [k, M] view of the contiguous [M, k]
+  input: stride [1, k]), weight not transposed, y 3-D. Only 7.2.0 and later take group_type=2
+  (op-plugin "GMM k axis support", 2025-08; 7.1.0 refuses anything but -1/0, 7.0.0 has no 3-D
+  output for it); earlier releases compute dW with one matmul per expert, reported.
+* 6.0.0: `npu_grouped_matmul([x], [w[0], ..., w[E-1]], group_list=[cumulative ints],
+  split_item=2)` -- no group_type / group_list_type keywords, group_list a list of ints, weight
+  a list of 2-D tensors, fp16/bf16 only; dW by the per-expert loop, reported.
 
 moe_permute / moe_unpermute: `torch_npu.npu_moe_token_permute(tokens, indices, num_out_tokens=None,
 padded_mode=False) -> (permuted, sorted_indices int32)` and `npu_moe_token_unpermute(permuted,
-sorted_indices, probs=None, padded_mode=False, restore_shape=None)`; both take a [T, topk] table
-of expert ids, so they serve dropless routing (every token the same number of experts, which
-this op checks on the host once per call) in bf16, the kernels' documented dtype. The row map
-is the reference's (e * T + t), so a kernel unpermute pairs with a fallback permute and back;
-unpermute rebuilds the kernel's sorted_indices from it. Anything else (dropped tokens, other
-dtypes) takes the PyTorch ops, reported as a fallback.
+sorted_indices, probs=None, padded_mode=False, restore_shape=None)` (7.1.0 and later); both take a
+[T, topk] table of expert ids, so they serve dropless routing (every token the same number of
+experts, which this op checks on the host once per call) in bf16, the kernels' documented dtype.
+The row map is the reference's (e * T + t), so a kernel unpermute pairs with a fallback permute
+and back; unpermute rebuilds the kernel's sorted_indices from it. Anything else (dropped tokens,
+other dtypes, older releases) takes the PyTorch ops, reported as a fallback.
 
 moe_sort_chunks, moe_topk_router, moe_router_scores: PyTorch ops, which torch_npu dispatches to
 NPU kernels (reported as npu.torch).
@@ -25,48 +36,89 @@ import torch
 from megatron_adapt import report
 from megatron_adapt.backends.cpu import moe as reference
 
-from ._lib import torch_npu
+from ._lib import api, torch_npu
+
+GMM = "npu.torch_npu.npu_grouped_matmul"
+GMM_WGRAD = GMM + ".k_axis(wgrad)"
+WGRAD_LOOP = "npu.loop(wgrad matmul per expert)"
+MAX_GROUPS = {True: 1024, False: 128}   # tensor group_list (group_type 0, one weight tensor) / list form
 
 
-def _gmm(x, w, group_list, group_type, split_item):
-    return torch_npu().npu_grouped_matmul([x], [w], bias=None, group_list=group_list,
-                                          split_item=split_item, group_type=group_type,
-                                          group_list_type=0)[0]
+def _gmm_rows(x, w, groups):
+    """y = x grouped by rows (group_type 0), w [E, k, n] contiguous."""
+    npu = torch_npu()
+    if api().gmm_tensor_group_list:
+        return npu.npu_grouped_matmul([x], [w], bias=None, group_list=groups, split_item=2,
+                                      group_type=0, group_list_type=0)[0]
+    return npu.npu_grouped_matmul([x], list(w.unbind(0)), group_list=groups, split_item=2)[0]
+
+
+def _wgrad(x, dy, groups, counts):
+    """dW [E, k, n] = x_e^T @ dy_e for each expert e."""
+    forms = api()
+    if forms.gmm_k_axis:
+        report.ran("grouped_gemm", GMM_WGRAD)
+        return torch_npu().npu_grouped_matmul([x.t()], [dy], bias=None, group_list=groups, split_item=3,
+                                              group_type=2, group_list_type=0)[0]
+    report.fell_back("grouped_gemm", WGRAD_LOOP,
+                     f"{forms.describe()}: npu_grouped_matmul takes group_type=2 (K-axis groups, the "
+                     "weight gradient) from Ascend Extension 7.2.0 on")
+    return torch.stack([xe.t() @ de for xe, de in zip(torch.split(x, counts), torch.split(dy, counts))])
 
 
 class _GroupedMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, group_list):
-        ctx.save_for_backward(x, w, group_list)
-        return _gmm(x, w, group_list, 0, 2)
+    def forward(ctx, x, w, groups, counts):
+        ctx.save_for_backward(x, w)
+        ctx.groups, ctx.counts = groups, counts
+        return _gmm_rows(x, w, groups)
 
     @staticmethod
     def backward(ctx, dy):
-        x, w, group_list = ctx.saved_tensors
+        x, w = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = _gmm(dy, w.transpose(-2, -1).contiguous(), group_list, 0, 2) if ctx.needs_input_grad[0] else None
-        dw = _gmm(x.t().contiguous(), dy, group_list, 2, 3) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
+        dx = _gmm_rows(dy, w.transpose(-2, -1).contiguous(), ctx.groups) if ctx.needs_input_grad[0] else None
+        dw = _wgrad(x, dy, ctx.groups, ctx.counts) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None
+
+
+def _unsupported(x, w, counts):
+    forms = api()
+    if not hasattr(torch_npu(), "npu_grouped_matmul"):
+        return "torch_npu has no npu_grouped_matmul"
+    if x.shape[0] == 0:
+        return "no rows"
+    if x.dtype != w.dtype:
+        return f"x {x.dtype} and w {w.dtype} differ"
+    if len(counts) > MAX_GROUPS[forms.gmm_tensor_group_list]:
+        return f"{len(counts)} experts (at most {MAX_GROUPS[forms.gmm_tensor_group_list]} groups in this call form)"
+    if not forms.gmm_tensor_group_list:
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            return f"{forms.describe()}: the int[] group_list form takes fp16/bf16, not {x.dtype}"
+        if len(counts) == 1:
+            return f"{forms.describe()}: one expert (a list group_list may not have length 1)"
+    return None
 
 
 def grouped_gemm(x, w, tokens_per_expert, trans_b: bool = False):
-    npu = torch_npu()
-    if not hasattr(npu, "npu_grouped_matmul"):
-        why = "torch_npu has no npu_grouped_matmul"
-    elif x.shape[0] == 0:
-        why = "no rows"
-    elif x.dtype != w.dtype:
-        why = f"x {x.dtype} and w {w.dtype} differ"
-    else:
-        why = None
+    counts = [int(c) for c in (tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor)
+                               else tokens_per_expert)]
+    why = _unsupported(x, w, counts)
     if why is not None:
         report.fell_back("grouped_gemm", "npu.loop(matmul per expert)", why)
         return reference.grouped_gemm_loop(x, w, tokens_per_expert, trans_b)
-    report.ran("grouped_gemm", "npu.torch_npu.npu_grouped_matmul")
-    counts = tokens_per_expert if isinstance(tokens_per_expert, torch.Tensor) else torch.tensor(tokens_per_expert)
-    group_list = torch.cumsum(counts.to(device=x.device, dtype=torch.int64), 0)
-    wk = w.transpose(-2, -1).contiguous() if trans_b else w
-    return _GroupedMatmul.apply(x.contiguous(), wk, group_list)
+    report.ran("grouped_gemm", GMM)
+    cumulative = torch.tensor(counts, dtype=torch.int64).cumsum(0)
+    groups = cumulative.to(x.device) if api().gmm_tensor_group_list else cumulative.tolist()
+    wk = w.transpose(-2, -1).contiguous() if trans_b else w.contiguous()
+    return _GroupedMatmul.apply(x.contiguous(), wk, groups, counts)
+
+
+def _no_permute(name):
+    forms = api()
+    if not forms.moe_token_permute:
+        return f"{forms.describe()} has no {name} (Ascend Extension 7.1.0 and later)"
+    return None if hasattr(torch_npu(), name) else f"torch_npu has no {name}"
 
 
 def _topk_table(routing_map, num_out_tokens):
@@ -84,7 +136,7 @@ def _topk_table(routing_map, num_out_tokens):
 
 def moe_permute(tokens, routing_map, probs=None, num_out_tokens=None):
     npu = torch_npu()
-    table, why = (None, "torch_npu has no npu_moe_token_permute") if not hasattr(npu, "npu_moe_token_permute") \
+    table, why = (None, _no_permute("npu_moe_token_permute")) if _no_permute("npu_moe_token_permute") \
         else (None, f"dtype {tokens.dtype} (the kernel takes bf16)") if tokens.dtype != torch.bfloat16 \
         else _topk_table(routing_map.bool(), num_out_tokens)
     if table is None:
@@ -119,8 +171,8 @@ def moe_unpermute(permuted, row_map, restore_shape, merging_probs=None):
     npu = torch_npu()
     t = int(restore_shape[0])
     pos = None
-    if not hasattr(npu, "npu_moe_token_unpermute"):
-        why = "torch_npu has no npu_moe_token_unpermute"
+    if _no_permute("npu_moe_token_unpermute"):
+        why = _no_permute("npu_moe_token_unpermute")
     elif permuted.dtype != torch.bfloat16:
         why = f"dtype {permuted.dtype} (the kernel takes bf16)"
     else:

@@ -1,15 +1,18 @@
 """Rotary position embedding through torch_npu.npu_rotary_mul.
 
-    npu_rotary_mul(input, r1, r2)                        torch_npu up to 2.5.x: rotate-half only
-    npu_rotary_mul(input, r1, r2, rotary_mode='half')    later releases add 'interleave'
+    npu_rotary_mul(Tensor self, Tensor r1, Tensor r2) -> Tensor                         6.0.0
+    npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor  7.0.0+
+    (Ascend/op-plugin op_plugin_functions.yaml on the 6.0.0 / 7.0.0 - 7.3.0 branches)
 
 output = input * r1 + rotate(input) * r2. Megatron's t is [s, b, h, d] (the kernel's SBND layout)
 and freqs [s, 1, 1, r] gives r1 = cos, r2 = sin in S11D, accepted in both modes. Documented limits
 (Atlas A2/A3): 4-D input, D even and < 896; half mode B, N < 1000; interleave mode B*N < 1000;
 r1/r2 in [-1, 1] -- so mscale is applied to the output (the map is linear), never folded into cos
 and sin. Partial rotary (r < d) rotates the first r channels and concatenates the rest.
-Interleaved pairs on a torch_npu without rotary_mode, and shapes outside the limits, take the
-reference, reported as a fallback.
+Interleaved pairs on a release without rotary_mode (chosen once from torch_npu.__version__), on a
+build whose first interleave call is refused (TypeError / RuntimeError: the mode is remembered as
+unsupported for the process), and shapes outside the limits, take the reference, reported as a
+fallback.
 """
 import torch
 
@@ -17,14 +20,12 @@ from megatron_adapt import report
 
 from megatron_adapt.backends.cpu.rope import rope_math as _reference
 
-from ._lib import torch_npu
+from ._lib import PROBES, api, torch_npu
 
 IMPL = "npu.torch_npu.npu_rotary_mul"
 FALLBACK = "npu.torch (reference)"
 MAX_D, MAX_BN = 896, 1000
-_state = {"interleave": None}   # None: not probed yet; then True / False
-
-
+PROBE = "rope.interleave"   # in PROBES: True once a call took the mode, or the refusal's reason
 
 
 def unsupported(t, freqs, interleaved) -> str | None:
@@ -39,8 +40,10 @@ def unsupported(t, freqs, interleaved) -> str | None:
     if interleaved:
         if b * n >= MAX_BN:
             return f"interleaved with B*N={b * n} >= {MAX_BN}"
-        if _state["interleave"] is False:
-            return "this torch_npu's npu_rotary_mul has no rotary_mode (interleaved pairs)"
+        if not api().rotary_mode:
+            return f"{api().describe()}: npu_rotary_mul has no rotary_mode (Ascend Extension 7.0.0 and later)"
+        if isinstance(PROBES.get(PROBE), str):
+            return PROBES[PROBE]
     elif b >= MAX_BN or n >= MAX_BN:
         return f"B={b}, N={n} (kernel: each < {MAX_BN})"
     return None
@@ -56,14 +59,19 @@ def rope(t, freqs, interleaved=False, mscale=1.0):
     cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
     mul = torch_npu().npu_rotary_mul
     if interleaved:
-        try:
+        if PROBES.get(PROBE) is True:
             out = mul(t_rot, cos, sin, rotary_mode="interleave")
-            _state["interleave"] = True
-        except TypeError:  # a torch_npu whose npu_rotary_mul predates rotary_mode
-            _state["interleave"] = False
-            report.fell_back("rope", FALLBACK, "this torch_npu's npu_rotary_mul has no rotary_mode "
-                             "(interleaved pairs)")
-            return _reference(t, freqs, interleaved, mscale)
+        else:  # the first interleaved call probes the mode; its refusal is not an error for us
+            try:
+                out = mul(t_rot, cos, sin, rotary_mode="interleave")
+            except torch.OutOfMemoryError:
+                raise
+            except (TypeError, RuntimeError) as exc:
+                PROBES[PROBE] = (f"npu_rotary_mul(rotary_mode='interleave') refused by torch_npu "
+                                        f"{api().version}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                report.fell_back("rope", FALLBACK, PROBES[PROBE])
+                return _reference(t, freqs, interleaved, mscale)
+            PROBES[PROBE] = True
     else:
         out = mul(t_rot, cos, sin)
     report.ran("rope", IMPL + (".interleave" if interleaved else ""))

@@ -8,6 +8,9 @@ import pytest
 os.environ.setdefault("MEGATRON_ADAPT_AUTO", "0")
 
 EMULATION_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "emulation")
+# The Ascend Extension releases the emulation models (emulation/torch_npu/_ops.py PROFILES): every
+# test that takes the torch_npu fixture runs once under each.
+PROFILES = ("6.0.0", "7.0.0", "7.1.0", "7.3.0")
 
 
 def _drop_emulation():
@@ -24,23 +27,30 @@ def _drop_emulation():
     _lib._reset()
 
 
-@pytest.fixture(scope="module")
-def torch_npu():
-    """The emulated torch_npu module (see emulation/torch_npu/__init__.py)."""
+@pytest.fixture(scope="module", params=PROFILES, ids=[f"torch_npu-{p}" for p in PROFILES])
+def torch_npu(request):
+    """The emulated torch_npu module (see emulation/torch_npu/__init__.py), as one release has it."""
     import megatron_adapt
     from megatron_adapt.backends.npu import _lib, device
 
+    saved = os.environ.get("TORCH_NPU_EMULATION_PROFILE")
+    os.environ["TORCH_NPU_EMULATION_PROFILE"] = request.param
     sys.path.insert(0, EMULATION_DIR)
     _lib._reset()
     import torch_npu as module
 
     assert getattr(module, "EMULATION", False), f"imported a real torch_npu from {module.__file__}?"
+    assert module.PROFILE == request.param
     try:
         yield module
     finally:
         megatron_adapt.revert()
         device.uninstall()
         _drop_emulation()
+        if saved is None:
+            os.environ.pop("TORCH_NPU_EMULATION_PROFILE", None)
+        else:
+            os.environ["TORCH_NPU_EMULATION_PROFILE"] = saved
 
 
 @pytest.fixture

@@ -43,7 +43,70 @@ def test_grouped_gemm_npu_grouped_matmul(torch_npu, report, dtype, sizes):
     for ex, cnt in enumerate(sizes):
         if cnt == 0:
             assert (w.grad[ex] == 0).all()
-    assert ran(report, "grouped_gemm") == {"npu.torch_npu.npu_grouped_matmul"}
+    from megatron_adapt.backends.npu import _lib, moe
+
+    forms, done = _lib.api(), ran(report, "grouped_gemm")
+    if not forms.gmm_tensor_group_list and (dtype == torch.float32 or len(sizes) == 1):
+        assert done == {"npu.loop(matmul per expert)"}          # 6.0.0's int[] form: fp16/bf16 only
+        return
+    assert moe.GMM in done
+    if forms.gmm_k_axis:   # 7.2.0+: dW through group_type=2 on the transposed view
+        assert done == {moe.GMM, moe.GMM_WGRAD}
+    else:                  # earlier: dW one matmul per expert, reported with the reason
+        assert done == {moe.GMM, moe.WGRAD_LOOP}
+        assert "group_type=2" in {o["implementation"]: o["fallback_reason"] for o in report.as_dict()["ops"]
+                                  if o["op"] == "grouped_gemm"}[moe.WGRAD_LOOP]
+
+
+def test_grouped_gemm_calls_the_release_form(torch_npu, report, monkeypatch):
+    """What reaches npu_grouped_matmul: 6.0.0 a list of ints and a list of 2-D weights, no
+    group_type; 7.x an int64 Tensor, group_type=0 forward / dx, group_type=2 on x.t() (a
+    transposed view, not a copy) for dW from 7.2.0."""
+    from megatron_adapt.backends.npu import _lib
+
+    calls, real = [], torch_npu.npu_grouped_matmul
+
+    def spy(x, weight, **kw):
+        calls.append((x[0].shape, x[0].stride(), [tuple(w.shape) for w in weight], kw))
+        return real(x, weight, **kw)
+    monkeypatch.setattr(torch_npu, "npu_grouped_matmul", spy)
+    x = torch.randn(7, 4, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(3, 4, 5, dtype=torch.bfloat16, requires_grad=True)
+    op("grouped_gemm")(x, w, torch.tensor([2, 0, 5])).sum().backward()
+    forms = _lib.api()
+    if not forms.gmm_tensor_group_list:
+        assert [c[3] for c in calls] == [dict(group_list=[2, 2, 7], split_item=2)] * 2
+        assert [c[2] for c in calls] == [[(4, 5)] * 3, [(5, 4)] * 3]
+        return
+    assert [c[3]["group_type"] for c in calls] == [0, 0] + ([2] if forms.gmm_k_axis else [])
+    assert all(c[3]["group_list"].tolist() == [2, 2, 7] and c[3]["group_list_type"] == 0 for c in calls)
+    if forms.gmm_k_axis:
+        shape, stride, weights, kw = calls[2]
+        assert shape == (4, 7) and stride == (1, 4) and weights == [(7, 5)] and kw["split_item"] == 3
+
+
+def test_grouped_gemm_k_axis_refusals(torch_npu):
+    """The documented K-axis layout (aclnnGroupedMatmulV4 groupType 2): x transposed, weight not.
+    A contiguous copy of x.t() is refused where the release has K-axis grouping at all."""
+    from torch_npu import EmulatedNPUError
+
+    x, dy, groups = torch.randn(7, 4), torch.randn(7, 5), torch.tensor([2, 2, 7])
+    if torch_npu.PROFILE == "6.0.0":
+        with pytest.raises(TypeError, match="group_type"):
+            torch_npu.npu_grouped_matmul([x.t()], [dy], group_list=[2, 2, 7], split_item=3, group_type=2)
+        return
+    call = dict(bias=None, group_list=groups, split_item=3, group_type=2, group_list_type=0)
+    if torch_npu.PROFILE in ("7.0.0", "7.1.0"):
+        with pytest.raises(EmulatedNPUError, match="group_type|K-axis"):
+            torch_npu.npu_grouped_matmul([x.t()], [dy], **call)
+        return
+    out = torch_npu.npu_grouped_matmul([x.t()], [dy], **call)[0]
+    assert out.shape == (3, 4, 5) and (out[1] == 0).all()
+    torch.testing.assert_close(out[2], x[2:].t() @ dy[2:])
+    with pytest.raises(EmulatedNPUError, match="x must be transposed"):
+        torch_npu.npu_grouped_matmul([x.t().contiguous()], [dy], **call)
+    with pytest.raises(EmulatedNPUError, match="weight must not be transposed"):
+        torch_npu.npu_grouped_matmul([x.t()], [dy.t().contiguous().t()], **call)
 
 
 def routed(t, e, k, empty=(1,)):
@@ -73,8 +136,14 @@ def test_permute_unpermute_npu_kernels(torch_npu, report):
     torch.testing.assert_close(probs.grad.double(), expect_dp, atol=5e-2, rtol=3e-2)
     y2 = op("moe_unpermute")(out.detach(), row_map, (t, h))  # no probs: each token's rows summed
     torch.testing.assert_close(y2.double(), x.detach().double() * k, atol=3e-2, rtol=3e-2)
-    assert ran(report, "moe_permute") == {"npu.torch_npu.npu_moe_token_permute"}
-    assert ran(report, "moe_unpermute") == {"npu.torch_npu.npu_moe_token_unpermute"}
+    from megatron_adapt.backends.npu import _lib
+
+    if _lib.api().moe_token_permute:
+        assert ran(report, "moe_permute") == {"npu.torch_npu.npu_moe_token_permute"}
+        assert ran(report, "moe_unpermute") == {"npu.torch_npu.npu_moe_token_unpermute"}
+    else:                  # before 7.1.0: no such ops, the reported PyTorch path
+        assert ran(report, "moe_permute") == {"npu.torch(moe_permute)"}
+        assert not hasattr(torch_npu, "npu_moe_token_permute")
 
 
 def test_permute_dropped_tokens_and_fp32_fall_back_reported(torch_npu, report):
@@ -86,13 +155,15 @@ def test_permute_dropped_tokens_and_fp32_fall_back_reported(torch_npu, report):
     out, _, row_map = op("moe_permute")(x, routing_map, None, n)
     assert torch.equal(out, ref_moe.permute_reference(x, routing_map, None, n)[0])
     reasons = {o["fallback_reason"] for o in report.as_dict()["ops"] if o["op"] == "moe_permute"}
-    assert any("different numbers of experts" in r for r in reasons), reasons
+    assert any(("different numbers of experts" if hasattr(torch_npu, "npu_moe_token_permute")
+                else "has no npu_moe_token_permute") in r for r in reasons), reasons
     y = op("moe_unpermute")(out, row_map, (t, h))  # dropped tokens: unpermute falls back too
     torch.testing.assert_close(y.float(), ref_moe.unpermute_reference(out, row_map, (t, h)).float())
     report.reset_op_counts()
     op("moe_permute")(torch.randn(t, h), routing_map, None, n)
     reasons = {o["fallback_reason"] for o in report.as_dict()["ops"] if o["op"] == "moe_permute"}
-    assert any("bf16" in r for r in reasons), reasons
+    assert any(("bf16" if hasattr(torch_npu, "npu_moe_token_permute") else "no npu_moe_token_permute") in r
+               for r in reasons), reasons
 
 
 def test_kernel_and_fallback_row_maps_pair(torch_npu, report):
@@ -119,11 +190,15 @@ def test_sort_chunks_and_router_on_npu(torch_npu, report):
 
 def test_emulated_contract_rejections(torch_npu):
     from torch_npu import EmulatedNPUError
+    if torch_npu.PROFILE == "6.0.0":
+        pytest.skip("6.0.0 has no npu_moe_token_permute; its grouped_matmul refusals: test_npu_api_table.py")
     x, w = torch.randn(4, 8), torch.randn(2, 8, 3)
     with pytest.raises(EmulatedNPUError, match="covers"):
         torch_npu.npu_grouped_matmul([x], [w], group_list=torch.tensor([1, 3]), split_item=2, group_type=0)
     with pytest.raises(EmulatedNPUError, match="single-tensor"):
         torch_npu.npu_grouped_matmul([x], [w], group_list=torch.tensor([1, 4]), split_item=0, group_type=0)
+    if not hasattr(torch_npu, "npu_moe_token_permute"):
+        return
     with pytest.raises(EmulatedNPUError, match="bf16|bfloat16"):
         torch_npu.npu_moe_token_permute(torch.randn(4, 3), torch.zeros(4, 2, dtype=torch.int64))
     with pytest.raises(EmulatedNPUError, match="int32"):

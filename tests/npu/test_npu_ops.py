@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 
+from megatron_adapt.errors import StrictFallbackError
+
 from megatron_adapt.backends import cpu as cpu_backend
 from megatron_adapt.backends import npu as npu_backend
 
@@ -285,21 +287,41 @@ def test_rope(torch_npu, report, dtype, s, b, h, d, rot, interleaved, mscale):
     freqs = torch.randn(s, 1, 1, rot) * 3
     compare(lambda t: npu("rope")(t, freqs, interleaved, mscale),
             lambda t: ref("rope")(t, freqs, interleaved, mscale), [t], dtype)
-    assert ops_ran(report, "rope") == {"npu.torch_npu.npu_rotary_mul" + (".interleave" if interleaved else ""): 1}
+    if interleaved and torch_npu.PROFILE == "6.0.0":    # no rotary_mode before 7.0.0: chosen at load
+        assert ops_ran(report, "rope") == {"npu.torch (reference)": 1}
+        assert "no rotary_mode (Ascend Extension 7.0.0" in fallbacks(report, "rope")["npu.torch (reference)"]
+    else:
+        assert ops_ran(report, "rope") == {"npu.torch_npu.npu_rotary_mul" + (".interleave" if interleaved else ""): 1}
 
 
-def test_rope_interleaved_on_a_torch_npu_without_rotary_mode(torch_npu, report, monkeypatch):
-    from megatron_adapt.backends.npu import rope as rope_module
+@pytest.mark.parametrize("refusal", [TypeError("npu_rotary_mul() got an unexpected keyword argument 'rotary_mode'"),
+                                     RuntimeError("rotary_mode 'interleave' is not supported on this SoC")])
+def test_rope_interleave_refused_at_run_time_falls_back_reported(torch_npu, report, monkeypatch, refusal):
+    """A build whose npu_rotary_mul takes the keyword but refuses the mode (or lacks it despite its
+    version): the first interleaved call falls back, named, and later ones do not call it again."""
+    from megatron_adapt.backends.npu import _lib
 
-    monkeypatch.setattr(torch_npu, "npu_rotary_mul", torch_npu.npu_rotary_mul_legacy)
-    monkeypatch.setitem(rope_module._state, "interleave", None)
+    if not _lib.api().rotary_mode:
+        pytest.skip(f"{torch_npu.PROFILE}: interleave is not attempted at all (covered by test_rope)")
+    real, calls = torch_npu.npu_rotary_mul, []
+
+    def refusing(input, r1, r2, rotary_mode="half"):  # noqa: A002
+        calls.append(rotary_mode)
+        if rotary_mode == "interleave":
+            raise refusal
+        return real(input, r1, r2, rotary_mode)
+    monkeypatch.setattr(torch_npu, "npu_rotary_mul", refusing)
+    monkeypatch.delitem(_lib.PROBES, "rope.interleave", raising=False)   # not probed yet
     t, freqs = torch.randn(4, 1, 2, 8), torch.randn(4, 1, 1, 8)
     for _ in range(2):
         torch.testing.assert_close(npu("rope")(t, freqs, True), ref("rope")(t, freqs, True))
     npu("rope")(t, freqs, False)   # rotate-half still takes the kernel
-    ran = ops_ran(report, "rope")
-    assert ran == {"npu.torch (reference)": 2, "npu.torch_npu.npu_rotary_mul": 1}
-    assert "rotary_mode" in fallbacks(report, "rope")["npu.torch (reference)"]
+    assert calls == ["interleave", "half"]
+    assert ops_ran(report, "rope") == {"npu.torch (reference)": 2, "npu.torch_npu.npu_rotary_mul": 1}
+    assert type(refusal).__name__ in fallbacks(report, "rope")["npu.torch (reference)"]
+    report.set_context(strict=True)
+    with pytest.raises(StrictFallbackError, match="rope.*refused"):
+        npu("rope")(t, freqs, True)
 
 
 # ---------------------------------------------------------------------------------- cross entropy
@@ -370,21 +392,42 @@ def test_every_op_of_the_contract_is_implemented():
 # ---------------------------------------------------------------------- gradient-accumulation fusion
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_wgrad_accumulate_into_fp32_main_grad(torch_npu, report, dtype):
+    """bf16 through torch_npu._npu_matmul_add_fp32 from 7.0.0 on; fp16 (ATB: no transposeA with
+    float16) and 6.0.0 (no ATB op) through the reported addmm_ fallback."""
     torch.manual_seed(15)
     x, dy = torch.randn(37, 24).to(dtype), torch.randn(37, 40).to(dtype)
     main_grad = torch.randn(40, 24)
     expect = main_grad + dy.float().t() @ x.float()
     npu("wgrad_accumulate")(x, dy, main_grad)
     torch.testing.assert_close(main_grad, expect, atol=1e-4, rtol=1e-5)
-    assert ops_ran(report, "wgrad_accumulate") == {"npu.torch_npu.npu_matmul_add_fp32": 1}
+    if torch_npu.PROFILE == "6.0.0":
+        assert "has no _npu_matmul_add_fp32" in fallbacks(report, "wgrad_accumulate")[FALLBACK_WGRAD]
+    elif dtype == torch.float16:
+        assert "transposeA with float16" in fallbacks(report, "wgrad_accumulate")[FALLBACK_WGRAD]
+    else:
+        assert ops_ran(report, "wgrad_accumulate") == {"npu.torch_npu._npu_matmul_add_fp32": 1}
+        assert not hasattr(torch_npu, "npu_matmul_add_fp32")   # the public-looking name does not exist
 
 
-def test_wgrad_accumulate_without_the_kernel_falls_back_reported(torch_npu, report, monkeypatch):
-    monkeypatch.delattr(torch_npu, "npu_matmul_add_fp32")
+FALLBACK_WGRAD = "cpu.reference(wgrad_accumulate)"
+
+
+def test_wgrad_accumulate_fallbacks_reported_and_strict(torch_npu, report, monkeypatch):
+    from megatron_adapt.backends.npu import _lib
+
     x, dy, main_grad = torch.randn(5, 3).bfloat16(), torch.randn(5, 4).bfloat16(), torch.zeros(4, 3)
+    if _lib.api().matmul_add_fp32:   # ATB loader failing (NNAL not installed): named, remembered
+        def no_nnal(*args):
+            raise OSError("libatb.so: cannot open shared object file")
+        monkeypatch.setattr(torch_npu, "_npu_matmul_add_fp32", no_nnal)
     npu("wgrad_accumulate")(x, dy, main_grad)
     torch.testing.assert_close(main_grad, dy.float().t() @ x.float())
-    assert "no npu_matmul_add_fp32" in fallbacks(report, "wgrad_accumulate")["cpu.reference(wgrad_accumulate)"]
+    why = fallbacks(report, "wgrad_accumulate")[FALLBACK_WGRAD]
+    assert ("libatb.so" in why) if _lib.api().matmul_add_fp32 else ("no _npu_matmul_add_fp32" in why)
+    _lib.PROBES.pop("matmul_add.unavailable", None)
+    report.set_context(strict=True)
+    with pytest.raises(StrictFallbackError, match="wgrad_accumulate"):
+        npu("wgrad_accumulate")(x.half(), dy.half(), main_grad)
 
 
 def test_attention_batch_first_views_go_as_bsh(torch_npu, report, monkeypatch):

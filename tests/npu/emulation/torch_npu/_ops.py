@@ -35,23 +35,23 @@ def _check_tensor(name, t, dtypes=FLOATS):
 
 
 # --------------------------------------------------------------------------- npu_rms_norm
-def npu_rms_norm(self, gamma, epsilon=1e-06):
+def npu_rms_norm(input, gamma, epsilon=1e-06):  # noqa: A002 (schema `Tensor self`, bound as `input`)
     """npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor y, Tensor rstd).
 
     self: fp16/bf16/fp32, 1-8 dims; gamma: same dtype, the trailing dims of self.
     rstd = 1/sqrt(mean(x^2) + eps) over gamma's dims, fp32, keepdim.
     """
-    _check_tensor("self", self)
+    _check_tensor("input", input)
     _check_tensor("gamma", gamma)
-    _check(gamma.dtype == self.dtype, f"gamma dtype {gamma.dtype} must equal self dtype {self.dtype}")
-    _check(1 <= self.dim() <= 8, f"self must have 1-8 dims, got {self.dim()}")
-    _check(1 <= gamma.dim() <= self.dim() and tuple(gamma.shape) == tuple(self.shape[self.dim() - gamma.dim():]),
-           f"gamma shape {tuple(gamma.shape)} must be the trailing dims of self {tuple(self.shape)}")
+    _check(gamma.dtype == input.dtype, f"gamma dtype {gamma.dtype} must equal input dtype {input.dtype}")
+    _check(1 <= input.dim() <= 8, f"input must have 1-8 dims, got {input.dim()}")
+    _check(1 <= gamma.dim() <= input.dim() and tuple(gamma.shape) == tuple(input.shape[input.dim() - gamma.dim():]),
+           f"gamma shape {tuple(gamma.shape)} must be the trailing dims of input {tuple(input.shape)}")
     _check(isinstance(epsilon, float), "epsilon must be a float")
-    dims = tuple(range(self.dim() - gamma.dim(), self.dim()))
-    x = self.float()
+    dims = tuple(range(input.dim() - gamma.dim(), input.dim()))
+    x = input.float()
     rstd = torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + epsilon)
-    y = (x * rstd * gamma.float()).to(self.dtype)
+    y = (x * rstd * gamma.float()).to(input.dtype)
     return y, rstd.detach()
 
 
@@ -136,11 +136,8 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half"):  # noqa: A002
     return (x * r1.float() + _rotate(x, rotary_mode) * r2.float()).to(input.dtype)
 
 
-def npu_rotary_mul_legacy(input, r1, r2):  # noqa: A002
-    """npu_rotary_mul as torch_npu releases before rotary_mode had it: rotate-half only.
-
-    Tests swap it in for torch_npu.npu_rotary_mul to emulate such a release.
-    """
+def npu_rotary_mul_6_0(input, r1, r2):  # noqa: A002
+    """npu_rotary_mul as 6.0.0 has it (no rotary_mode): rotate-half only."""
     return npu_rotary_mul(input, r1, r2)
 
 
@@ -296,6 +293,18 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     return _outputs(_from_bnsd(out, input_layout), smax, ssum, keep_prob, b * nq * sq * sk)
 
 
+def npu_fusion_attention_7_3(query, key, value, head_num, input_layout, pse=None, padding_mask=None,
+                             atten_mask=None, scale=1., keep_prob=1., pre_tockens=2147483647,
+                             next_tockens=2147483647, inner_precise=0, prefix=None, actual_seq_qlen=None,
+                             actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False,
+                             softmax_layout="", sink=None):
+    """7.3.0 adds softmax_layout (7.2.0) and sink; neither is modelled beyond their defaults."""
+    _check(softmax_layout == "" and sink is None, "softmax_layout / sink are not modelled by the emulation")
+    return npu_fusion_attention(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
+                                keep_prob, pre_tockens, next_tockens, inner_precise, prefix, actual_seq_qlen,
+                                actual_seq_kvlen, sparse_mode, gen_mask_parallel, sync)
+
+
 def _outputs(out, smax, ssum, keep_prob, numel):
     seed = torch.initial_seed() & 0xFFFFFFFF
     offset = next(_seed_counter)
@@ -337,75 +346,143 @@ def _tnd(query, key, value, n, atten_mask, scale, keep_prob, pre, nxt, qlen, kvl
     return _outputs(out, smax, ssum, keep_prob, 0)
 
 
-# --------------------------------------------------------------------------- npu_matmul_add_fp32
-def npu_matmul_add_fp32(x, weight, C):  # noqa: N803 (the real parameter name)
-    """npu_matmul_add_fp32(Tensor x, Tensor weight, Tensor(a!) C) -> Tensor(a!): C += x^T @ weight.
+# --------------------------------------------------------------------------- _npu_matmul_add_fp32
+def _npu_matmul_add_fp32(x, weight, C):  # noqa: N803 (the real parameter name)
+    """_npu_matmul_add_fp32(Tensor x, Tensor weight, Tensor(a!) C) -> (): C += x^T @ weight.
 
-    x [m, k] and weight [m, n] in fp16/bf16 (same dtype), C [k, n] fp32, updated in place (the
-    gradient-accumulation fusion kernel: x = grad_output, weight = total_input, C = main_grad).
-    Forward only (no autograd), as documented.
+    op-plugin ops/atb/LinearAtb.cpp (7.0.0+): ATB LinearOperation with transposeA=true,
+    transposeB=false, enAccum=true. x [m, k], weight [m, n] (bf16; the ATB docs rule out float16
+    with transposeA), C [k, n] fp32, updated in place; returns nothing. Forward only (no autograd).
     """
     _check_tensor("x", x, (torch.float16, torch.bfloat16))
     _check_tensor("weight", weight, (torch.float16, torch.bfloat16))
     _check_tensor("C", C, (torch.float32,))
     _check(x.dtype == weight.dtype, f"x ({x.dtype}) and weight ({weight.dtype}) must share a dtype")
+    _check(x.dtype != torch.float16, "LinearOperation: transposeA=true is not supported with float16 inputs")
     _check(x.dim() == 2 and weight.dim() == 2 and C.dim() == 2, "x, weight and C must be 2-D")
     _check(x.shape[0] == weight.shape[0], f"x {tuple(x.shape)} and weight {tuple(weight.shape)}: first dims differ")
     _check(tuple(C.shape) == (x.shape[1], weight.shape[1]),
            f"C {tuple(C.shape)} must be [{x.shape[1]}, {weight.shape[1]}]")
     with torch.no_grad():
         C.add_(x.float().t() @ weight.float())
-    return C
 
 
 # --------------------------------------------------------------------- npu_grouped_matmul
-def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
-                       antiquant_offset=None, per_token_scale=None, group_list=None,
-                       activation_input=None, activation_quant_scale=None, activation_quant_offset=None,
-                       split_item=0, group_type=None, group_list_type=0, act_type=0, output_dtype=None):
-    """npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, ..., Tensor? group_list, int split_item=0,
-    int? group_type, int group_list_type=0, int act_type=0, ScalarType? output_dtype) -> Tensor[].
+_QUANT = ("bias", "scale", "offset", "antiquant_scale", "antiquant_offset", "per_token_scale",
+          "activation_input", "activation_quant_scale", "activation_quant_offset")
 
-    Modelled: the non-quantised single-tensor modes (split_item 2 or 3: one output tensor in a
-    list), x and weight each a list of one tensor, no bias. group_type -1 (none), 0 (groups of
-    rows of x [M, k], weight [E, k, n] -> [M, n]) or 2 (groups along the contraction: x [k, M],
-    weight [M, n] -> [E, k, n]). group_list 1-D int64: cumulative ends (group_list_type=0) or
-    counts (1), non-decreasing, covering all M rows. fp16/bf16/fp32, x and weight one dtype.
-    Quantisation, multi-tensor outputs and activations are not modelled (rejected). Empty groups
-    give zero rows / a zero [k, n] block, which the documentation leaves unstated.
-    """
+
+def _no_quant(args):
+    _check(all(args.get(k) is None for k in _QUANT), "quantisation / bias arguments are not modelled by the emulation")
+
+
+def _groups(group_list, group_list_type, n):
+    counts = group_list if group_list_type == 1 else [e - s for s, e in zip([0] + group_list[:-1], group_list)]
+    _check(all(c >= 0 for c in counts), f"group_list {group_list} must be non-decreasing (cumsum) / non-negative")
+    _check(len(counts) <= 1024, "at most 1024 groups")
+    _check(sum(counts) == n, f"group_list covers {sum(counts)}, the grouped axis has {n}")
+    return counts
+
+
+def _rows(a, weights, counts, output_dtype):
+    """group_type 0: rows of a [M, k] in groups, weights [E] x [k, n] -> [M, n]."""
+    _check(a.dim() == 2, f"x must be 2-D, got {tuple(a.shape)}")
+    _check(len(weights) == len(counts), f"weight has {len(weights)} groups, group_list {len(counts)}")
+    for w in weights:
+        _check(w.dim() == 2 and w.shape[0] == a.shape[1], f"contraction sizes differ: x {tuple(a.shape)}, weight {tuple(w.shape)}")
+    outs = [c.float() @ w.float() for c, w in zip(torch.split(a, counts), weights)]
+    return [torch.cat(outs).to(output_dtype or a.dtype)]
+
+
+def _k_axis(a, w, counts, output_dtype):
+    """group_type 2 (aclnnGroupedMatmulV4, single x/weight/y): x [k, M] *transposed* (stride
+    [1, k]), weight [M, n] not transposed, groups along M -> y [E, k, n]."""
+    _check(a.dim() == 2 and w.dim() == 2, "group_type 2 takes 2-D x and weight")
+    _check(a.stride() == (1, a.shape[0]) and not a.is_contiguous(),
+           f"group_type 2: x must be transposed (a [k, M] view with stride [1, k]), got stride {a.stride()}")
+    _check(w.is_contiguous(), "group_type 2: weight must not be transposed")
+    _check(a.shape[1] == w.shape[0], f"x {tuple(a.shape)} and weight {tuple(w.shape)}: grouped axes differ")
+    blocks = [xa.float() @ wb.float() for xa, wb in zip(torch.split(a, counts, dim=1), torch.split(w, counts))]
+    return [torch.stack(blocks).to(output_dtype or a.dtype)]
+
+
+def _gmm_tensor_form(x, weight, args, *, k_axis):
+    """The 7.x single-tensor modes: x [one tensor], weight [one [E, k, n] tensor], y one tensor."""
     _check(isinstance(x, (list, tuple)) and len(x) == 1, "x must be a list of one tensor (single-tensor mode)")
     _check(isinstance(weight, (list, tuple)) and len(weight) == 1, "weight must be a list of one tensor")
     a, w = x[0], weight[0]
     _check_tensor("x[0]", a)
     _check_tensor("weight[0]", w)
     _check(a.dtype == w.dtype, f"x ({a.dtype}) and weight ({w.dtype}) must share a dtype")
-    _check(bias is None and scale is None and offset is None and antiquant_scale is None
-           and antiquant_offset is None and per_token_scale is None and activation_input is None,
-           "quantisation / bias arguments are not modelled by the emulation")
-    _check(split_item in (2, 3), f"split_item {split_item}: the emulation models the single-tensor modes 2 and 3")
-    _check(group_type in (-1, 0, 2), f"group_type {group_type} not supported (-1, 0, 2)")
-    _check(group_list_type in (0, 1), f"group_list_type {group_list_type} must be 0 (cumsum) or 1 (counts)")
-    _check(act_type == 0, "activations are not modelled")
-    if group_type == -1:
-        _check(a.dim() == 2 and w.dim() == 2, "group_type -1 takes 2-D x and weight")
-        return [(a.float() @ w.float()).to(output_dtype or a.dtype)]
+    _no_quant(args)
+    _check(args["split_item"] in (2, 3), f"split_item {args['split_item']}: the emulation models the single-tensor modes 2 and 3")
+    _check(args["group_list_type"] in (0, 1), f"group_list_type {args['group_list_type']} must be 0 (cumsum) or 1 (counts)")
+    _check(args["act_type"] == 0, "activations are not modelled")
+    group_list, group_type, out = args["group_list"], args["group_type"], args["output_dtype"]
     _check(isinstance(group_list, torch.Tensor) and group_list.dim() == 1 and group_list.dtype == torch.int64,
            "group_list must be a 1-D int64 tensor")
-    counts = group_list.tolist() if group_list_type == 1 else \
-        [e - s for s, e in zip([0] + group_list.tolist()[:-1], group_list.tolist())]
-    _check(all(c >= 0 for c in counts), f"group_list {group_list.tolist()} must be non-decreasing (type 0) / non-negative")
-    if group_type == 0:
-        _check(a.dim() == 2 and w.dim() == 3, f"group_type 0 takes x [M, k] and weight [E, k, n], got {tuple(a.shape)}, {tuple(w.shape)}")
-        _check(w.shape[0] == len(counts), f"weight has {w.shape[0]} groups, group_list {len(counts)}")
-        _check(sum(counts) == a.shape[0], f"group_list covers {sum(counts)} rows, x has {a.shape[0]}")
-        _check(a.shape[1] == w.shape[1], f"contraction sizes differ: x {a.shape[1]}, weight {w.shape[1]}")
-        outs = [c.float() @ w[e].float() for e, c in enumerate(torch.split(a, counts))]
-        return [torch.cat(outs).to(output_dtype or a.dtype)]
-    _check(a.dim() == 2 and w.dim() == 2, "group_type 2 takes x [k, M] and weight [M, n]")
-    _check(a.shape[1] == w.shape[0] == sum(counts), f"group_list covers {sum(counts)}, x {tuple(a.shape)}, weight {tuple(w.shape)}")
-    blocks = [xa.float() @ wb.float() for xa, wb in zip(torch.split(a, counts, dim=1), torch.split(w, counts))]
-    return [torch.stack(blocks).to(output_dtype or a.dtype)]
+    if group_type == 2 and k_axis:
+        return _k_axis(a, w, _groups(group_list.tolist(), args["group_list_type"], a.shape[1]), out)
+    _check(group_type == 0, f"group_type {group_type}: the emulation models 0 (and 2 where the release has it)")
+    _check(a.is_contiguous(), "x does not support transposition in group_type 0")
+    _check(w.dim() == 3, f"group_type 0 (single tensors) takes weight [E, k, n], got {tuple(w.shape)}")
+    return _rows(a, list(w.unbind(0)), _groups(group_list.tolist(), args["group_list_type"], a.shape[0]), out)
+
+
+def npu_grouped_matmul_6_0(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+                           antiquant_offset=None, group_list=None, split_item=0, output_dtype=None):
+    """6.0.0: group_list int[] (cumulative ends), no group_type / group_list_type; weight a list of
+    2-D tensors (aclnnGroupedMatmul reads weight[i].sizes()[1]); fp16/bf16 (int8: quantised, not
+    modelled). Modelled: x one tensor, y one tensor (split_item 2/3)."""
+    args = dict(locals())
+    _check(isinstance(x, (list, tuple)) and len(x) == 1, "x must be a list of one tensor (single-tensor mode)")
+    _check(isinstance(weight, (list, tuple)) and len(weight) >= 1, "weight must be a list of tensors")
+    a = x[0]
+    _check_tensor("x[0]", a, (torch.float16, torch.bfloat16))
+    for i, w in enumerate(weight):
+        _check_tensor(f"weight[{i}]", w, (a.dtype,))
+    _no_quant(args)
+    _check(split_item in (2, 3), f"split_item {split_item}: the emulation models the single-tensor modes 2 and 3")
+    if isinstance(group_list, torch.Tensor):
+        raise TypeError("npu_grouped_matmul(): argument 'group_list' must be tuple of ints, not Tensor")
+    _check(isinstance(group_list, (list, tuple)) and all(isinstance(v, int) for v in group_list),
+           "group_list must be a list of ints")
+    return _rows(a, list(weight), _groups(list(group_list), 0, a.shape[0]), output_dtype)
+
+
+def npu_grouped_matmul_7_0(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+                           antiquant_offset=None, per_token_scale=None, group_list=None,
+                           activation_input=None, activation_quant_scale=None, activation_quant_offset=None,
+                           split_item=0, group_type=-1, group_list_type=0, act_type=0, output_dtype=None):
+    """7.0.0: Tensor group_list, group_type (default -1), group_list_type. The op-plugin code has no
+    output shape for group_type 2 (it allocates [x.size(0), n]): K-axis grouping is refused here."""
+    args = dict(locals())
+    _check(group_type != 2, "group_type 2 (K-axis) has no [E, k, n] output in this release")
+    return _gmm_tensor_form(x, weight, args, k_axis=False)
+
+
+def npu_grouped_matmul_7_1(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+                           antiquant_offset=None, per_token_scale=None, group_list=None,
+                           activation_input=None, activation_quant_scale=None, activation_quant_offset=None,
+                           split_item=0, group_type=None, group_list_type=0, act_type=0, tuning_config=None,
+                           output_dtype=None):
+    """7.1.0: group_type must be passed and be -1 or 0 (TORCH_CHECK in GroupedMatmulKernelNpuOpApi.cpp)."""
+    args = dict(locals())
+    _check(group_type is not None, "Requires manual passing group_type, current is None.")
+    _check(group_type in (-1, 0), f"group_type currently only support -1 and 0, current value is {group_type}")
+    return _gmm_tensor_form(x, weight, args, k_axis=False)
+
+
+def npu_grouped_matmul_7_3(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+                           antiquant_offset=None, per_token_scale=None, group_list=None,
+                           activation_input=None, activation_quant_scale=None, activation_quant_offset=None,
+                           split_item=0, group_type=None, group_list_type=0, act_type=0, tuning_config=None,
+                           output_dtype=None):
+    """7.2.0 / 7.3.0: group_type -1, 0 or 2; 2 (K-axis) needs x transposed, weight not, y [E, k, n]."""
+    args = dict(locals())
+    _check(group_type is not None, "Requires manual passing group_type, current is None.")
+    _check(group_type in (-1, 0, 2), f"The group type must be -1, 0 or 2, but now is [{group_type}]")
+    return _gmm_tensor_form(x, weight, args, k_axis=True)
 
 
 # --------------------------------------------------------------------- npu_moe_token_(un)permute
@@ -458,3 +535,27 @@ def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_
     if probs is not None:
         rows = rows * probs.float().unsqueeze(-1)
     return rows.sum(dim=1).to(permuted_tokens.dtype)
+
+
+# --------------------------------------------------------------------- profiles
+PROFILES = {   # Ascend Extension for PyTorch release -> (torch_npu.__version__, its ops)
+    "6.0.0": "2.1.0.post10",
+    "7.0.0": "2.5.1",
+    "7.1.0": "2.6.0",
+    "7.3.0": "2.6.0.post5",
+}
+_COMMON = dict(npu_rms_norm=npu_rms_norm, npu_swiglu=npu_swiglu, npu_scaled_masked_softmax=npu_scaled_masked_softmax)
+
+
+def profile_ops(release):
+    """The torch_npu functions one release has, under their real names (see torch_npu_api.py)."""
+    ops = dict(_COMMON, npu_fusion_attention=npu_fusion_attention)
+    if release == "6.0.0":
+        return dict(ops, npu_rotary_mul=npu_rotary_mul_6_0, npu_grouped_matmul=npu_grouped_matmul_6_0)
+    ops.update(npu_rotary_mul=npu_rotary_mul, _npu_matmul_add_fp32=_npu_matmul_add_fp32)
+    if release == "7.0.0":
+        return dict(ops, npu_grouped_matmul=npu_grouped_matmul_7_0)
+    ops.update(npu_moe_token_permute=npu_moe_token_permute, npu_moe_token_unpermute=npu_moe_token_unpermute)
+    if release == "7.1.0":
+        return dict(ops, npu_grouped_matmul=npu_grouped_matmul_7_1)
+    return dict(ops, npu_grouped_matmul=npu_grouped_matmul_7_3, npu_fusion_attention=npu_fusion_attention_7_3)
