@@ -63,6 +63,8 @@ def _wgrad(x, dy, groups, counts):
     report.fell_back("grouped_gemm", WGRAD_LOOP,
                      f"{forms.describe()}: npu_grouped_matmul takes group_type=2 (K-axis groups, the "
                      "weight gradient) from Ascend Extension 7.2.0 on")
+    if counts is None:  # the tensor group_list form: read the counts on the host only on this path
+        counts = torch.diff(groups, prepend=groups.new_zeros(1)).tolist()
     return torch.stack([xe.t() @ de for xe, de in zip(torch.split(x, counts), torch.split(dy, counts))])
 
 
@@ -82,7 +84,7 @@ class _GroupedMatmul(torch.autograd.Function):
         return dx, dw, None, None
 
 
-def _unsupported(x, w, counts):
+def _unsupported(x, w, groups: int):
     forms = api()
     if not hasattr(torch_npu(), "npu_grouped_matmul"):
         return "torch_npu has no npu_grouped_matmul"
@@ -90,26 +92,30 @@ def _unsupported(x, w, counts):
         return "no rows"
     if x.dtype != w.dtype:
         return f"x {x.dtype} and w {w.dtype} differ"
-    if len(counts) > MAX_GROUPS[forms.gmm_tensor_group_list]:
-        return f"{len(counts)} experts (at most {MAX_GROUPS[forms.gmm_tensor_group_list]} groups in this call form)"
+    if groups > MAX_GROUPS[forms.gmm_tensor_group_list]:
+        return f"{groups} experts (at most {MAX_GROUPS[forms.gmm_tensor_group_list]} groups in this call form)"
     if not forms.gmm_tensor_group_list:
         if x.dtype not in (torch.float16, torch.bfloat16):
             return f"{forms.describe()}: the int[] group_list form takes fp16/bf16, not {x.dtype}"
-        if len(counts) == 1:
+        if groups == 1:
             return f"{forms.describe()}: one expert (a list group_list may not have length 1)"
     return None
 
 
 def grouped_gemm(x, w, tokens_per_expert, trans_b: bool = False):
-    counts = [int(c) for c in (tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor)
-                               else tokens_per_expert)]
-    why = _unsupported(x, w, counts)
+    is_tensor = isinstance(tokens_per_expert, torch.Tensor)
+    why = _unsupported(x, w, tokens_per_expert.numel() if is_tensor else len(tokens_per_expert))
     if why is not None:
         report.fell_back("grouped_gemm", "npu.loop(matmul per expert)", why)
         return reference.grouped_gemm_loop(x, w, tokens_per_expert, trans_b)
     report.ran("grouped_gemm", GMM)
-    cumulative = torch.tensor(counts, dtype=torch.int64).cumsum(0)
-    groups = cumulative.to(x.device) if api().gmm_tensor_group_list else cumulative.tolist()
+    if api().gmm_tensor_group_list:  # cumulative counts stay on the device: no host sync per call
+        counts = None
+        per_expert = tokens_per_expert if is_tensor else torch.tensor(tokens_per_expert)
+        groups = torch.cumsum(per_expert.to(device=x.device, dtype=torch.int64), 0)
+    else:                            # 6.0.0: group_list is a list of ints
+        counts = [int(c) for c in (tokens_per_expert.tolist() if is_tensor else tokens_per_expert)]
+        groups = torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist()
     wk = w.transpose(-2, -1).contiguous() if trans_b else w.contiguous()
     return _GroupedMatmul.apply(x.contiguous(), wk, groups, counts)
 
