@@ -11,6 +11,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
+from megatron_adapt import report
 from megatron_adapt.errors import BackendUnavailableError, UnknownBackendError
 
 NAMES = ("cpu", "cuda", "npu")
@@ -79,6 +80,14 @@ def load(name: str) -> Backend:
     return backend
 
 
+def cpu_fallback(op: str, reason: str, *args, **kwargs):
+    """Run the cpu backend's `op` (the reference) for a call another backend's kernel cannot
+    take, reported as a fallback to "cpu.reference(<op>)" (the cpu op also counts the call under
+    its own name)."""
+    report.fell_back(op, f"cpu.reference({op})", reason)
+    return load("cpu").op(op)(*args, **kwargs)
+
+
 def auto_select() -> tuple[str, str]:
     """(name, why) for MEGATRON_ADAPT_BACKEND=auto: cuda with a CUDA device, npu with an NPU, else cpu."""
     import torch
@@ -95,4 +104,4 @@ def auto_select() -> tuple[str, str]:
     return "cpu", "auto: no CUDA device or NPU found"
 
 
-__all__ = ["Backend", "BackendUnavailableError", "NAMES", "auto_select", "load"]
+__all__ = ["Backend", "BackendUnavailableError", "NAMES", "auto_select", "cpu_fallback", "load"]

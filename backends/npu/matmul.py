@@ -8,7 +8,7 @@ without it use an addmm_ in fp32 (reported as a fallback).
 import torch
 
 from megatron_adapt import report
-from megatron_adapt.backends.cpu import matmul as reference
+from megatron_adapt.backends import cpu_fallback
 
 from ._lib import torch_npu
 
@@ -24,5 +24,4 @@ def wgrad_accumulate(input, grad_output, main_grad):  # noqa: A002 (apex's argum
         return
     why = ("torch_npu has no npu_matmul_add_fp32" if main_grad.dtype == torch.float32
            else f"main_grad dtype {main_grad.dtype} (npu_matmul_add_fp32 accumulates into fp32 only)")
-    report.fell_back("wgrad_accumulate", "cpu.reference(wgrad_accumulate)", why)
-    reference.wgrad_accumulate(input, grad_output, main_grad)
+    cpu_fallback("wgrad_accumulate", why, input, grad_output, main_grad)

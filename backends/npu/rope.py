@@ -14,8 +14,7 @@ reference, reported as a fallback.
 import torch
 
 from megatron_adapt import report
-
-from megatron_adapt.backends.cpu.rope import rope_math as _reference
+from megatron_adapt.backends import reference
 
 from ._lib import torch_npu
 
@@ -50,7 +49,7 @@ def rope(t, freqs, interleaved=False, mscale=1.0):
     why = unsupported(t, freqs, interleaved)
     if why:
         report.fell_back("rope", FALLBACK, why)
-        return _reference(t, freqs, interleaved, mscale)
+        return reference.rope(t, freqs, interleaved, mscale)
     r = freqs.size(-1)
     t_rot = t if r == t.size(-1) else t[..., :r].contiguous()
     cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
@@ -63,7 +62,7 @@ def rope(t, freqs, interleaved=False, mscale=1.0):
             _state["interleave"] = False
             report.fell_back("rope", FALLBACK, "this torch_npu's npu_rotary_mul has no rotary_mode "
                              "(interleaved pairs)")
-            return _reference(t, freqs, interleaved, mscale)
+            return reference.rope(t, freqs, interleaved, mscale)
     else:
         out = mul(t_rot, cos, sin)
     report.ran("rope", IMPL + (".interleave" if interleaved else ""))
