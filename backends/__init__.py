@@ -13,35 +13,12 @@ from typing import Callable
 
 from megatron_adapt import report
 from megatron_adapt.errors import BackendUnavailableError, UnknownBackendError
+from megatron_adapt.ops import OPS
 
 NAMES = ("cpu", "cuda", "npu")
 
-# Where each op of megatron_adapt.ops lives inside a backend package: one module per op family.
-STANDARD_LAYOUT = {
-    "vocab_parallel_cross_entropy": ".cross_entropy:vocab_parallel_cross_entropy",
-    "rms_norm": ".norms:rms_norm",
-    "layer_norm": ".norms:layer_norm",
-    "scaled_masked_softmax": ".softmax:scaled_masked_softmax",
-    "attention": ".attention:attention",
-    "rope": ".rope:rope",
-    "swiglu": ".activations:swiglu",
-    "bias_swiglu": ".activations:bias_swiglu",
-    "bias_gelu": ".activations:bias_gelu",
-    "bias_dropout_add": ".dropout:bias_dropout_add",
-    "adam": ".optimizers:Adam",
-    "sgd": ".optimizers:SGD",
-    "multi_tensor_l2norm": ".multi_tensor:l2norm",
-    "multi_tensor_scale": ".multi_tensor:scale",
-    "wgrad_accumulate": ".matmul:wgrad_accumulate",
-    "grouped_gemm": ".moe:grouped_gemm",
-    "moe_permute": ".moe:moe_permute",
-    "moe_unpermute": ".moe:moe_unpermute",
-    "moe_sort_chunks": ".moe:moe_sort_chunks",
-    "moe_topk_router": ".moe:moe_topk_router",
-    "moe_router_scores": ".moe:moe_router_scores",
-    "rng_get_state": ".rng:get_state",
-    "rng_set_state": ".rng:set_state",
-}
+# Where each op lives inside a backend package (from megatron_adapt.ops.OPS): one module per op family.
+STANDARD_LAYOUT = {name: op.home for name, op in OPS.items()}
 
 
 @dataclass
