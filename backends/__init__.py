@@ -11,36 +11,14 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
+from megatron_adapt import report
 from megatron_adapt.errors import BackendUnavailableError, UnknownBackendError
+from megatron_adapt.ops import OPS
 
 NAMES = ("cpu", "cuda", "npu")
 
-# Where each op of megatron_adapt.ops lives inside a backend package: one module per op family.
-STANDARD_LAYOUT = {
-    "vocab_parallel_cross_entropy": ".cross_entropy:vocab_parallel_cross_entropy",
-    "rms_norm": ".norms:rms_norm",
-    "layer_norm": ".norms:layer_norm",
-    "scaled_masked_softmax": ".softmax:scaled_masked_softmax",
-    "attention": ".attention:attention",
-    "rope": ".rope:rope",
-    "swiglu": ".activations:swiglu",
-    "bias_swiglu": ".activations:bias_swiglu",
-    "bias_gelu": ".activations:bias_gelu",
-    "bias_dropout_add": ".dropout:bias_dropout_add",
-    "adam": ".optimizers:Adam",
-    "sgd": ".optimizers:SGD",
-    "multi_tensor_l2norm": ".multi_tensor:l2norm",
-    "multi_tensor_scale": ".multi_tensor:scale",
-    "wgrad_accumulate": ".matmul:wgrad_accumulate",
-    "grouped_gemm": ".moe:grouped_gemm",
-    "moe_permute": ".moe:moe_permute",
-    "moe_unpermute": ".moe:moe_unpermute",
-    "moe_sort_chunks": ".moe:moe_sort_chunks",
-    "moe_topk_router": ".moe:moe_topk_router",
-    "moe_router_scores": ".moe:moe_router_scores",
-    "rng_get_state": ".rng:get_state",
-    "rng_set_state": ".rng:set_state",
-}
+# Where each op lives inside a backend package (from megatron_adapt.ops.OPS): one module per op family.
+STANDARD_LAYOUT = {name: op.home for name, op in OPS.items()}
 
 
 @dataclass
@@ -79,6 +57,14 @@ def load(name: str) -> Backend:
     return backend
 
 
+def cpu_fallback(op: str, reason: str, *args, **kwargs):
+    """Run the cpu backend's `op` (the reference) for a call another backend's kernel cannot
+    take, reported as a fallback to "cpu.reference(<op>)" (the cpu op also counts the call under
+    its own name)."""
+    report.fell_back(op, f"cpu.reference({op})", reason)
+    return load("cpu").op(op)(*args, **kwargs)
+
+
 def auto_select() -> tuple[str, str]:
     """(name, why) for MEGATRON_ADAPT_BACKEND=auto: cuda with a CUDA device, npu with an NPU, else cpu."""
     import torch
@@ -95,4 +81,4 @@ def auto_select() -> tuple[str, str]:
     return "cpu", "auto: no CUDA device or NPU found"
 
 
-__all__ = ["Backend", "BackendUnavailableError", "NAMES", "auto_select", "load"]
+__all__ = ["Backend", "BackendUnavailableError", "NAMES", "auto_select", "cpu_fallback", "load"]

@@ -2,62 +2,105 @@
 
 Tensors are on the backend's device; every op that takes part in training supports autograd.
 Each implementation reports itself with `report.ran(op, impl)` (or `report.fell_back`).
-
-op                          signature -> result
---------------------------  ------------------------------------------------------------------
-vocab_parallel_cross_entropy (logits[..., V/tp], target[...] int64 global ids, label_smoothing: float,
-                             tp_group | None) -> loss[...] fp32. Max and sum-exp reduced over tp_group.
-rms_norm                    (x[..., h], weight[h], eps: float) -> y (x.dtype)
-layer_norm                  (x[..., h], weight[h], bias[h] | None, eps: float) -> y (x.dtype)
-scaled_masked_softmax       (scores[b, np, sq, sk], mask bool [b|1, 1|np, sq, sk] True=masked | None,
-                             scale: float | None, causal: bool, window_size: (left, right) | None,
-                             softmax_in_fp32: bool) -> probs (scores.dtype)
-attention                   (q[b, hq, sq, d], k[b, hkv, sk, d], v[b, hkv, sk, d], attn_mask bool
-                             True=masked broadcastable to [b, hq, sq, sk] | None, causal: bool,
-                             scale: float | None, dropout_p: float, window_size | None) -> out[b, hq, sq, d]
-rope                        (t[s, b, h, d], freqs[s, 1, 1, r] angles (r <= d), interleaved: bool)
-                             -> t with its first r channels rotated
-swiglu                      (x[..., 2f]) -> silu(x[..., :f]) * x[..., f:]
-bias_swiglu                 (x, bias) -> swiglu(x + bias)
-bias_gelu                   (bias, y) -> gelu_tanh(y + bias)
-bias_dropout_add            (x, bias[h] | None, residual (x's shape and dtype), prob: float) -> residual +
-                            dropout(x + bias, prob), training mode; masks from the default generator
-adam                        optimizer class, apex FusedAdam signature (params, lr, betas, eps,
-                             weight_decay, adam_w_mode=True, ...)
-sgd                         optimizer class, torch.optim.SGD signature
-multi_tensor_l2norm         (tensors: list) -> fp32 scalar tensor, the l2 norm of all of them
-multi_tensor_scale          (srcs: list, dsts: list, scale: float) -> None; dst = src * scale
-wgrad_accumulate            (input [t, in], grad_output [t, out], main_grad [out, in]) -> None;
-                            main_grad += grad_output^T @ input in place (gradient-accumulation
-                            fusion; main_grad fp32 with bf16/fp16 operands, or all one dtype)
-grouped_gemm                (x [T, k], w [E, k, n] ([E, n, k] with trans_b), tokens_per_expert [E] int (any
-                            device), trans_b: bool) -> y [T, n]; the rows of expert e (consecutive,
-                            experts in order) times w[e]. Experts with no rows get zero weight grads
-moe_permute                 (tokens [T, h], routing_map bool [T, E], probs [T, E] | None, num_out_tokens
-                            | None) -> (permuted [N, h], permuted_probs [N] | None, row_map [N] int64):
-                            rows expert-major, tokens ascending within an expert (Megatron's permute
-                            order); row_map[r] = e * T + t, row r's expert e and token t
-moe_unpermute               (permuted [N, h], row_map [N] from moe_permute, restore_shape (T, h),
-                            merging_probs [T, E] | None) -> [T, h] permuted.dtype: each token's rows
-                            (times their prob) summed in fp32
-moe_sort_chunks             (input [N, ...], split_sizes [C] int, sorted_idxs [C] int, probs [N] | None)
-                            -> (output, probs | None): the C consecutive chunks reordered as sorted_idxs
-moe_topk_router             (logits [T, E], topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
-                            score_function 'softmax'|'sigmoid', expert_bias | None) -> (routing_probs
-                            [T, E] logits.dtype, routing_map bool [T, E]) (Megatron's
-                            topk_routing_with_score_function)
-moe_router_scores           (logits [T, E], topk, score_function) -> (routing_map bool [T, E], scores
-                            [T, E] fp32) for the load-balancing loss
-rng_get_state               () -> state tensor of the generator Megatron calls "cuda"
-rng_set_state               (state) -> None
+`OPS` below is the one list of ops: each op's contract, and the module and attribute that serve
+it inside a backend package (one module per op family); the table that follows is built from it.
 """
+from __future__ import annotations
 
-OPS = (
-    "vocab_parallel_cross_entropy", "rms_norm", "layer_norm", "scaled_masked_softmax", "attention",
-    "rope", "swiglu", "bias_swiglu", "bias_gelu", "bias_dropout_add", "adam", "sgd", "multi_tensor_l2norm",
-    "multi_tensor_scale", "wgrad_accumulate", "grouped_gemm", "moe_permute", "moe_unpermute",
-    "moe_sort_chunks", "moe_topk_router", "moe_router_scores", "rng_get_state", "rng_set_state",
-)
+import textwrap
+from typing import NamedTuple
+
+
+class Op(NamedTuple):
+    home: str       # "module:attr" inside a backend package, e.g. ".norms:rms_norm"
+    contract: str   # (arguments) -> result
+
+
+OPS: dict[str, Op] = {
+    "vocab_parallel_cross_entropy": Op(
+        ".cross_entropy:vocab_parallel_cross_entropy",
+        "(logits[..., V/tp], target[...] int64 global ids, label_smoothing: float, tp_group | "
+        "None) -> loss[...] fp32. Max and sum-exp reduced over tp_group."),
+    "rms_norm": Op(".norms:rms_norm", "(x[..., h], weight[h], eps: float) -> y (x.dtype)"),
+    "layer_norm": Op(
+        ".norms:layer_norm",
+        "(x[..., h], weight[h], bias[h] | None, eps: float) -> y (x.dtype)"),
+    "scaled_masked_softmax": Op(
+        ".softmax:scaled_masked_softmax",
+        "(scores[b, np, sq, sk], mask bool [b|1, 1|np, sq, sk] True=masked | None, scale: float"
+        " | None, causal: bool, window_size: (left, right) | None, softmax_in_fp32: bool) -> "
+        "probs (scores.dtype)"),
+    "attention": Op(
+        ".attention:attention",
+        "(q[b, hq, sq, d], k[b, hkv, sk, d], v[b, hkv, sk, d], attn_mask bool True=masked "
+        "broadcastable to [b, hq, sq, sk] | None, causal: bool, scale: float | None, dropout_p:"
+        " float, window_size | None) -> out[b, hq, sq, d]"),
+    "rope": Op(
+        ".rope:rope",
+        "(t[s, b, h, d], freqs[s, 1, 1, r] angles (r <= d), interleaved: bool) -> t with its "
+        "first r channels rotated"),
+    "swiglu": Op(".activations:swiglu", "(x[..., 2f]) -> silu(x[..., :f]) * x[..., f:]"),
+    "bias_swiglu": Op(".activations:bias_swiglu", "(x, bias) -> swiglu(x + bias)"),
+    "bias_gelu": Op(".activations:bias_gelu", "(bias, y) -> gelu_tanh(y + bias)"),
+    "bias_dropout_add": Op(
+        ".dropout:bias_dropout_add",
+        "(x, bias[h] | None, residual (x's shape and dtype), prob: float) -> residual + "
+        "dropout(x + bias, prob), training mode; masks from the default generator"),
+    "adam": Op(
+        ".optimizers:Adam",
+        "optimizer class, apex FusedAdam signature (params, lr, betas, eps, weight_decay, "
+        "adam_w_mode=True, ...)"),
+    "sgd": Op(".optimizers:SGD", "optimizer class, torch.optim.SGD signature"),
+    "multi_tensor_l2norm": Op(
+        ".multi_tensor:l2norm",
+        "(tensors: list) -> fp32 scalar tensor, the l2 norm of all of them"),
+    "multi_tensor_scale": Op(
+        ".multi_tensor:scale",
+        "(srcs: list, dsts: list, scale: float) -> None; dst = src * scale"),
+    "wgrad_accumulate": Op(
+        ".matmul:wgrad_accumulate",
+        "(input [t, in], grad_output [t, out], main_grad [out, in]) -> None; main_grad += "
+        "grad_output^T @ input in place (gradient-accumulation fusion; main_grad fp32 with "
+        "bf16/fp16 operands, or all one dtype)"),
+    "grouped_gemm": Op(
+        ".moe:grouped_gemm",
+        "(x [T, k], w [E, k, n] ([E, n, k] with trans_b), tokens_per_expert [E] int (any "
+        "device), trans_b: bool) -> y [T, n]; the rows of expert e (consecutive, experts in "
+        "order) times w[e]. Experts with no rows get zero weight grads"),
+    "moe_permute": Op(
+        ".moe:moe_permute",
+        "(tokens [T, h], routing_map bool [T, E], probs [T, E] | None, num_out_tokens | None) "
+        "-> (permuted [N, h], permuted_probs [N] | None, row_map [N] int64): rows expert-major,"
+        " tokens ascending within an expert (Megatron's permute order); row_map[r] = e * T + t,"
+        " row r's expert e and token t"),
+    "moe_unpermute": Op(
+        ".moe:moe_unpermute",
+        "(permuted [N, h], row_map [N] from moe_permute, restore_shape (T, h), merging_probs "
+        "[T, E] | None) -> [T, h] permuted.dtype: each token's rows (times their prob) summed "
+        "in fp32"),
+    "moe_sort_chunks": Op(
+        ".moe:moe_sort_chunks",
+        "(input [N, ...], split_sizes [C] int, sorted_idxs [C] int, probs [N] | None) -> "
+        "(output, probs | None): the C consecutive chunks reordered as sorted_idxs"),
+    "moe_topk_router": Op(
+        ".moe:moe_topk_router",
+        "(logits [T, E], topk, use_pre_softmax, num_groups, group_topk, scaling_factor, "
+        "score_function 'softmax'|'sigmoid', expert_bias | None) -> (routing_probs [T, E] "
+        "logits.dtype, routing_map bool [T, E]) (Megatron's topk_routing_with_score_function)"),
+    "moe_router_scores": Op(
+        ".moe:moe_router_scores",
+        "(logits [T, E], topk, score_function) -> (routing_map bool [T, E], scores [T, E] fp32)"
+        " for the load-balancing loss"),
+    "rng_get_state": Op(
+        ".rng:get_state",
+        '() -> state tensor of the generator Megatron calls "cuda"'),
+    "rng_set_state": Op(".rng:set_state", "(state) -> None"),
+}
+
+if __doc__:   # (python -OO drops docstrings)
+    __doc__ += "\n" + "\n".join(
+        textwrap.fill(op.contract, 100, initial_indent=f"{name:<29}", subsequent_indent=" " * 29)
+        for name, op in OPS.items()) + "\n"
 
 
 # Ranks whose replicated values must stay bit-identical (Megatron's tensor-parallel group): a

@@ -156,8 +156,8 @@ def cases(dev, dt, ours):
     xd, rd = r(T, H), r(T, H)
     add("bias_dropout_add", "ours", lambda x, b, res: ours("bias_dropout_add")(x, b, res, 0.1), [xd, b, rd])
 
-    from megatron_adapt.backends.cpu.dropout import bias_dropout_add_math  # Megatron's arithmetic
-    torch_bda = lambda x, b, res: bias_dropout_add_math(x, b, res, 0.1)
+    from megatron_adapt.backends.reference import bias_dropout_add  # Megatron's arithmetic
+    torch_bda = lambda x, b, res: bias_dropout_add(x, b, res, 0.1)
     add("bias_dropout_add", "torch add+dropout+add", torch_bda, [xd, b, rd])
     if dev.type == "cuda":
         add("bias_dropout_add", "torch.compile (Megatron's)", torch.compile(torch_bda), [xd, b, rd])

@@ -285,8 +285,8 @@ def bench_dropout(be, args, dev):
     record("bias_dropout_add", shape, "ours", fwd_bwd(lambda: op(x, b, r, p), [x, b, r], dy), nb, model)
     record("bias_dropout_add", shape + " no bias", "ours", fwd_bwd(lambda: op(x, None, r, p), [x, r], dy), nb, model)
 
-    from megatron_adapt.backends.cpu.dropout import bias_dropout_add_math  # Megatron's arithmetic
-    eager = lambda x, b, r: bias_dropout_add_math(x, b, r, p)
+    from megatron_adapt.backends.reference import bias_dropout_add  # Megatron's arithmetic
+    eager = lambda x, b, r: bias_dropout_add(x, b, r, p)
     record("bias_dropout_add", shape, "torch_eager", fwd_bwd(lambda: eager(x, b, r), [x, b, r], dy), nb, model)
     c = maybe_compile(eager, args)
     if c:
@@ -295,7 +295,7 @@ def bench_dropout(be, args, dev):
 
 
 def bench_rope(be, args, dev):
-    from megatron_adapt.backends.cpu.rope import rope as megatron_rope  # Megatron's bshd formula
+    from megatron_adapt.backends.reference import rope as megatron_rope  # Megatron's bshd formula
     b, h, d = 4, args.hidden // 128, 128
     s = args.tokens // b
     t = torch.randn(s, b, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -314,7 +314,7 @@ def bench_rope(be, args, dev):
 
 
 def bench_ce(be, args, dev):
-    from megatron_adapt.backends.cpu.cross_entropy import vocab_parallel_cross_entropy as megatron_ce
+    from megatron_adapt.backends.reference import vocab_parallel_cross_entropy as megatron_ce
     op = ours(be, "vocab_parallel_cross_entropy")
     for v in (32000, 128256):
         t = args.ce_tokens

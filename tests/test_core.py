@@ -444,3 +444,25 @@ def test_a_megatron_lm_checkout_of_another_release_line_is_named_as_a_mismatch(t
     assert f"{installed.major}.{installed.minor + 1}.0" in reason and str(installed) in reason, reason
     assert "not a Megatron-LM checkout" in mismatch_reason(str(tmp_path))
     assert mismatch_reason(None) is None
+
+
+def test_every_backend_serves_exactly_the_ops_of_the_contract():
+    """Each backend's op table names exactly the ops of megatron_adapt.ops.OPS, none missing and
+    none extra, and every entry loads. cuda alone leaves out the RNG state ops: Megatron's own
+    CUDA RNG serves them there (the rng patch applies on cpu and npu only)."""
+    import importlib
+
+    from megatron_adapt.backends import NAMES
+    from megatron_adapt.ops import OPS
+    from megatron_adapt.patches import rng
+
+    rng_ops = {"rng_get_state", "rng_set_state"}
+    left_out = {"cuda": rng_ops}
+    for name in NAMES:
+        backend = importlib.import_module(f"megatron_adapt.backends.{name}").BACKEND
+        expected = set(OPS) - left_out.get(name, set())
+        assert set(backend.ops) == expected, (name, sorted(set(backend.ops) ^ expected))
+        for op in backend.ops:
+            assert callable(backend.op(op)), (name, op)
+    rng_specs = [s for s in rng.SPECS if s.qualname.endswith("_cuda_rng_state")]
+    assert len(rng_specs) == 2 and all("cuda" not in s.backends for s in rng_specs), rng_specs

@@ -1,7 +1,7 @@
 """The cpu backend: Megatron over gloo on machines with no accelerator.
 
-Its ops are plain PyTorch and device-agnostic, so they are also the reference every other backend's
-kernels are tested against, and the fallback they report when a shape is outside their kernels.
+Its ops are the references (`megatron_adapt.backends.reference`), each with its report entry; its
+own parts are the device layer, the RNG state and the optimizers' foreach flags.
 """
 from megatron_adapt.backends import STANDARD_LAYOUT, Backend
 

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from megatron_adapt import report
+from megatron_adapt.backends import cpu_fallback
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -39,11 +39,7 @@ def kernel_reason(*tensors):
     return None
 
 
-def fallback(op, reason, *args, **kwargs):
-    """Run the PyTorch reference op (backends/cpu), reported as a fallback."""
-    from megatron_adapt.backends.cpu import BACKEND as CPU
-    report.fell_back(op, f"cpu.reference({op})", reason)
-    return CPU.op(op)(*args, **kwargs)
+fallback = cpu_fallback   # the reference op, reported as a fallback
 
 
 def next_pow2(n: int) -> int:

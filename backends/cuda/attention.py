@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_adapt import report
-from megatron_adapt.backends.cpu.softmax import build_mask
+from megatron_adapt.backends.reference import build_mask
 from megatron_adapt.backends.cuda import providers
 
 try:

@@ -7,7 +7,7 @@ rescaled vector of exponentials, plus sum(x) for label smoothing. With SPLIT = 1
 parallelism the same program finishes the row (loss and log-sum-exp), so the forward is a
 single launch; otherwise a tiny combine kernel merges the (max, sum_exp, sum_x) partials and
 picks the target logit.
-Collectives are exactly the reference's (backends/cpu/cross_entropy.py): the row max is
+Collectives are exactly the reference's (backends/reference.py): the row max is
 all-reduced (MAX) first, each rank rescales its partial sums to that max, then one SUM
 all-reduce of [predicted, sum_exp(, sum_x)]. Label smoothing uses the *global* vocabulary K.
 Backward: one read + one write: grad = (softmax - (1-s)*onehot - s/K) * grad_out, computed from

@@ -8,7 +8,7 @@ beta=1 into the fp32 main_grad. PyTorch's `addmm(..., out_dtype=torch.float32)` 
 import torch
 
 from megatron_adapt import report
-from megatron_adapt.backends.cpu import matmul as reference
+from megatron_adapt.backends import cpu_fallback
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -16,8 +16,7 @@ _LOW = (torch.bfloat16, torch.float16)
 def wgrad_accumulate(input, grad_output, main_grad):  # noqa: A002 (apex's argument order)
     """main_grad += grad_output^T @ input, for input [tokens, in], grad_output [tokens, out]."""
     if not (input.is_cuda and main_grad.is_cuda):
-        report.fell_back("wgrad_accumulate", "cpu.reference(wgrad_accumulate)", "tensors not on a CUDA device")
-        return reference.wgrad_accumulate(input, grad_output, main_grad)
+        return cpu_fallback("wgrad_accumulate", "tensors not on a CUDA device", input, grad_output, main_grad)
     if main_grad.dtype == input.dtype == grad_output.dtype:
         report.ran("wgrad_accumulate", "cuda.addmm_")
         main_grad.addmm_(grad_output.t(), input)
@@ -25,6 +24,5 @@ def wgrad_accumulate(input, grad_output, main_grad):  # noqa: A002 (apex's argum
         report.ran("wgrad_accumulate", "cuda.addmm(out_dtype=fp32)")
         torch.addmm(main_grad, grad_output.t(), input, out_dtype=torch.float32, out=main_grad)
     else:
-        report.fell_back("wgrad_accumulate", "cpu.reference(wgrad_accumulate)",
-                         f"dtypes input={input.dtype} grad_output={grad_output.dtype} main_grad={main_grad.dtype}")
-        reference.wgrad_accumulate(input, grad_output, main_grad)
+        cpu_fallback("wgrad_accumulate", f"dtypes input={input.dtype} grad_output={grad_output.dtype} "
+                     f"main_grad={main_grad.dtype}", input, grad_output, main_grad)

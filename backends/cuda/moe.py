@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from megatron_adapt import report
-from megatron_adapt.backends.cpu import moe as reference
+from megatron_adapt.backends import reference
 
 
 def grouped_mm_reason(x, w, trans_b=False):
@@ -81,31 +81,31 @@ def grouped_gemm(x, w, tokens_per_expert, trans_b: bool = False):
         report.ran("grouped_gemm", "cuda.torch._grouped_mm")
         return grouped_mm(x, w, tokens_per_expert, trans_b)
     report.fell_back("grouped_gemm", "cuda.loop(matmul per expert)", why)
-    return reference.grouped_gemm_loop(x, w, tokens_per_expert, trans_b)
+    return reference.grouped_gemm(x, w, tokens_per_expert, trans_b)
 
 
 def moe_permute(tokens, routing_map, probs=None, num_out_tokens=None):
     report.ran("moe_permute", "cuda.torch.sort+index_select")
-    return reference.permute_reference(tokens, routing_map, probs, num_out_tokens)
+    return reference.moe_permute(tokens, routing_map, probs, num_out_tokens)
 
 
 def moe_unpermute(permuted, row_map, restore_shape, merging_probs=None):
     report.ran("moe_unpermute", "cuda.torch.index_add(fp32)")
-    return reference.unpermute_reference(permuted, row_map, restore_shape, merging_probs)
+    return reference.moe_unpermute(permuted, row_map, restore_shape, merging_probs)
 
 
 def moe_sort_chunks(input, split_sizes, sorted_idxs, probs=None):  # noqa: A002
     report.ran("moe_sort_chunks", "cuda.torch.searchsorted+index_select")
-    return reference.sort_chunks_reference(input, split_sizes, sorted_idxs, probs)
+    return reference.moe_sort_chunks(input, split_sizes, sorted_idxs, probs)
 
 
 def moe_topk_router(logits, topk, use_pre_softmax=False, num_groups=None, group_topk=None,
                     scaling_factor=None, score_function="softmax", expert_bias=None):
     report.ran("moe_topk_router", f"cuda.torch.{score_function}_topk")
-    return reference.topk_router_reference(logits, topk, use_pre_softmax, num_groups, group_topk,
-                                           scaling_factor, score_function, expert_bias)
+    return reference.moe_topk_router(logits, topk, use_pre_softmax, num_groups, group_topk,
+                                     scaling_factor, score_function, expert_bias)
 
 
 def moe_router_scores(logits, topk, score_function="softmax"):
     report.ran("moe_router_scores", f"cuda.torch.{score_function}")
-    return reference.router_scores_reference(logits, topk, score_function)
+    return reference.moe_router_scores(logits, topk, score_function)

@@ -26,23 +26,30 @@ from ._common import cdiv, launch, fallback, kernel_reason, next_pow2, num_progr
 from . import providers
 
 MAX_FUSED = 16384   # widest row kept whole in registers
-# Split backward for LayerNorm rows whose block is MAX_FUSED (8193-16384 wide): dx per row, then
-# dw/db as a column reduction. The whole-row backward holding dw/db partials spills registers
-# there (H100, bf16 4096x12288 fwd+bwd: 26% of copy; split 56%, PyTorch's layer_norm 45%, Liger
-# 48%). RMSNorm keeps fewer values live and its whole-row backward is faster (75% against 65%).
+# LayerNorm rows whose block is MAX_FUSED take the split backward (dx per row, then dw/db as a
+# column reduction): its whole-row backward spills registers there. Measurements behind this and
+# every launch configuration below: docs/cuda-backend.md, "Norm launch configuration".
 SPLIT_DX_WARPS = 16
-SPLIT_TILE = (64, 64)   # rows x columns of a dw/db reduction tile (32x64, 32x128: within 2%)
+SPLIT_TILE = (64, 64)   # rows x columns of a dw/db reduction tile
 CHUNK = 4096        # chunk width for wider rows
 
 
 @triton.jit
 def _add2(a1, b1, a2, b2):
+    """tl.reduce's combine function for pairs: one reduction gives two sums."""
     return a1 + a2, b1 + b2
 
 
 @triton.jit
 def _norm_fwd(X, W, B, Y, MEAN, RSTD, M, N, eps,
               IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Forward of a tile of ROWS rows, each whole in registers (N <= BLOCK):
+
+        RMSNorm:   y = x * rstd * w,               rstd = 1 / sqrt(mean(x^2) + eps)
+        LayerNorm: y = (x - mean) * rstd * w + b,  rstd = 1 / sqrt(var(x) + eps)
+
+    LayerNorm's mean and var come from one reduction of (sum d, sum d^2), d = x - x[0] (shifted,
+    so no cancellation of E[x^2] - E[x]^2). rstd (and mean) are saved per row, fp32."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rmask = rows < M
     cols = tl.arange(0, BLOCK)
@@ -73,6 +80,8 @@ def _norm_fwd(X, W, B, Y, MEAN, RSTD, M, N, eps,
 @triton.jit
 def _norm_fwd_loop(X, W, B, Y, MEAN, RSTD, N, eps,
                    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """Forward of one row wider than MAX_FUSED, in BLOCK-wide chunks: mean (LayerNorm), then
+    var = mean((x - mean)^2), then y as in _norm_fwd."""
     row = tl.program_id(0).to(tl.int64)
     x_ptr = X + row * N
     y_ptr = Y + row * N
@@ -107,6 +116,16 @@ def _norm_fwd_loop(X, W, B, Y, MEAN, RSTD, N, eps,
 def _norm_bwd(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, M, N, G,
               IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
               PREFETCH: tl.constexpr):
+    """Backward, rows whole in registers, on a persistent grid of G programs (program pid takes
+    tiles pid, pid + G, ...; PREFETCH loads the next tile before reducing this one). With
+    xhat = (x - mean) * rstd (RMSNorm: x * rstd) and g = w * dy:
+
+        RMSNorm:   dx = rstd * (g - xhat * mean(xhat * g))
+        LayerNorm: dx = rstd * (g - xhat * mean(xhat * g) - mean(g))
+        dw = sum over rows of dy * xhat,  db = sum over rows of dy
+
+    This program's dw/db sums are written once, fp32, to row pid of DW_PART / DB_PART;
+    _sum_partials adds the rows up."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     cmask = cols < N
@@ -162,7 +181,9 @@ def _norm_bwd(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, M, N, G,
 @triton.jit
 def _norm_bwd_loop(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, M, N, G,
                    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    # Wide rows: two passes per row; partials live in this program's row of DW_PART/DB_PART.
+    """Backward of rows wider than MAX_FUSED, the formulas of _norm_bwd in two passes a row:
+    mean(xhat * g) and mean(g) first, then dx. dw/db partials accumulate in this program's row of
+    DW_PART / DB_PART (zeroed by the caller)."""
     pid = tl.program_id(0)
     for row in range(pid, M, G):
         base = tl.cast(row, tl.int64) * N
@@ -204,7 +225,8 @@ def _norm_bwd_loop(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, M, N, G,
 @triton.jit
 def _norm_bwd_dx(X, W, DY, DX, MEAN, RSTD, N,
                  IS_RMS: tl.constexpr, BLOCK: tl.constexpr):
-    """Split backward, part 1 (wide rows): dx of one row; no weight-gradient partials held."""
+    """Split backward, part 1 (wide rows): dx of one row as in _norm_bwd; no weight-gradient
+    partials held."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
@@ -226,8 +248,8 @@ def _norm_bwd_dx(X, W, DY, DX, MEAN, RSTD, N,
 @triton.jit
 def _norm_bwd_dwdb(X, DY, MEAN, RSTD, DW_PART, DB_PART, M, N, ROWS_PER,
                    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
-    """Split backward, part 2: column sums of dy*xhat (and dy) over a group of rows, one fp32
-    partial row per group. Grid (cdiv(N, BN), groups)."""
+    """Split backward, part 2: DW_PART[g] = sum of dy * xhat (DB_PART[g]: of dy) over the rows of
+    group g, fp32. Grid (cdiv(N, BN), groups)."""
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     cm = cols < N
     first = tl.program_id(1) * ROWS_PER
@@ -277,19 +299,9 @@ def _sum_partials(DW_PART, DB_PART, DW, DB, G, N,
         tl.store(DB + cols, tot.to(DB.dtype.element_ty), mask=cm)
 
 
-# Launch configuration (register-resident rows): (rows per program tile, warps), fwd and bwd.
-# Tuned on Hopper for bf16 16384 x 4096; see docs/cuda-backend.md.
-FWD_CFG = {}        # block -> (ROWS, warps); default below
-BWD_CFG = {}        # block -> (ROWS, warps, PREFETCH)
-
-
 def _fwd_cfg(block, is_rms):
-    """Forward tile: at least 8K elements a program, 16 elements a thread (H100, bf16 16384x4096:
-    2 rows x 16 warps 93-94% of copy, 1 row x 8 warps 92%). Rows 8193-16384 wide (H100, bf16
-    4096x12288 / 2048x16384 / 8192x10240): RMSNorm 1 row x 8 warps 96/93/97% (1 x 16: 94/91/94);
-    LayerNorm 2 rows x 32 warps 83/86/80% (1 x 16: 64/73/58; 4 rows: 38-50)."""
-    if block in FWD_CFG:
-        return FWD_CFG[block]
+    """(rows a tile, warps) of _norm_fwd: at least 8K elements a program, 16 elements a thread;
+    rows 8193-16384 wide set per norm."""
     if block >= MAX_FUSED:
         return (1, 8) if is_rms else (2, 32)
     rows = max(1, min(16, 8192 // block))
@@ -298,15 +310,8 @@ def _fwd_cfg(block, is_rms):
 
 
 def _bwd_cfg(block, is_rms):
-    """Backward tile (rows, warps, prefetch). One row x 8 warps with the next row prefetched was
-    the fastest on an H100 for 4096 wide (90.5% of copy; 16 warps or 2-4 rows a tile hold fewer
-    programs per SM and ran at 78-89%; without the prefetch 84-86%).
-    Rows 8193-16384 wide (block 16384) cannot hold two rows in registers: with the prefetch the
-    kernel spilled ~300 registers a thread and ran 8x slower than without (H100, bf16
-    2048x16384 RMSNorm backward 1.24 ms -> 0.10 ms). LayerNorm keeps more values live: 32 warps
-    (16 elements a thread) spill least (2048x16384: 0.29 ms, against 0.63 at 16 warps)."""
-    if block in BWD_CFG:
-        return BWD_CFG[block]
+    """(rows a tile, warps, prefetch) of _norm_bwd: about 2048 elements a tile, the next tile
+    prefetched; at block MAX_FUSED two rows do not fit in registers, so no prefetch."""
     if block >= MAX_FUSED:
         return 1, 16 if is_rms else 32, False
     rows = max(1, min(16, 2048 // block))
@@ -347,11 +352,10 @@ class _Norm(torch.autograd.Function):
                 block = next_pow2(n)
                 tile, warps = _fwd_cfg(block, is_rms)
                 launch(_norm_fwd, (cdiv(rows, tile),), x2, w, bb, y, mean, rstd, rows, n, eps,
-                                                      IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK=block,
-                                                      ROWS=tile, num_warps=warps)
+                       IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK=block, ROWS=tile, num_warps=warps)
             else:
                 launch(_norm_fwd_loop, (rows,), x2, w, bb, y, mean, rstd, n, eps, IS_RMS=is_rms,
-                                        HAS_BIAS=has_bias, BLOCK=CHUNK, num_warps=8)
+                       HAS_BIAS=has_bias, BLOCK=CHUNK, num_warps=8)
         ctx.save_for_backward(x2, w, mean, rstd)
         ctx.is_rms, ctx.has_bias = is_rms, b is not None
         ctx.wdtype = weight.dtype
@@ -383,18 +387,17 @@ class _Norm(torch.autograd.Function):
         dw_part, db_part = _partials(torch.zeros if loop else torch.empty, ctx.has_bias, g, n, dev)
         if loop:
             k = launch(_norm_bwd_loop, (g,), x2, w, dy2, dx, mean, rstd, dw_part, db_part, rows, n, g,
-                                     IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BLOCK=block,
-                                     num_warps=warps)
+                       IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BLOCK=block, num_warps=warps)
         else:
             k = launch(_norm_bwd, (g,), x2, w, dy2, dx, mean, rstd, dw_part, db_part, rows, n, g,
-                                IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BLOCK=block, ROWS=tile,
-                                PREFETCH=prefetch, num_warps=warps)
+                       IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BLOCK=block, ROWS=tile,
+                       PREFETCH=prefetch, num_warps=warps)
         if key not in _RESIDENT:
             _RESIDENT[key] = _resident_programs(k, warps)
         bn = 32
         launch(_sum_partials, (cdiv(n, bn), 2 if ctx.has_bias else 1),
-            dw_part, db_part, dw, db if db is not None else dw, g, n,
-            HAS_BIAS=ctx.has_bias, BG=64, BN=bn, num_warps=4)
+               dw_part, db_part, dw, db if db is not None else dw, g, n,
+               HAS_BIAS=ctx.has_bias, BG=64, BN=bn, num_warps=4)
         return dx, dw, db, None, None
 
 
@@ -414,19 +417,18 @@ def _split_backward(ctx, x2, w, dy2, mean, rstd, dx, dw, db):
     n = x2.shape[-1]
     rows = rstd.shape[0]
     launch(_norm_bwd_dx, (rows,), x2, w, dy2, dx, mean, rstd, n, IS_RMS=ctx.is_rms,
-                          BLOCK=next_pow2(n), num_warps=SPLIT_DX_WARPS)
+           BLOCK=next_pow2(n), num_warps=SPLIT_DX_WARPS)
     br, bn = SPLIT_TILE
     col_blocks = cdiv(n, bn)
     groups = max(1, min(cdiv(rows, br), num_programs(x2.device, rows, 4) // col_blocks + 1))
     rows_per = cdiv(cdiv(rows, groups), br) * br
     groups = cdiv(rows, rows_per)
     dw_part, db_part = _partials(torch.empty, ctx.has_bias, groups, n, x2.device)
-    launch(_norm_bwd_dwdb, (col_blocks, groups), x2, dy2, mean, rstd, dw_part, db_part, rows, n, rows_per,
-                                         IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BR=br, BN=bn,
-                                         num_warps=4)
+    launch(_norm_bwd_dwdb, (col_blocks, groups), x2, dy2, mean, rstd, dw_part, db_part, rows, n,
+           rows_per, IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BR=br, BN=bn, num_warps=4)
     launch(_sum_partials, (cdiv(n, 32), 2 if ctx.has_bias else 1),
-        dw_part, db_part, dw, db if db is not None else dw, groups, n,
-        HAS_BIAS=ctx.has_bias, BG=64, BN=32, num_warps=4)
+           dw_part, db_part, dw, db if db is not None else dw, groups, n,
+           HAS_BIAS=ctx.has_bias, BG=64, BN=32, num_warps=4)
     return dx, dw, db, None, None
 
 

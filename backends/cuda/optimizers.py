@@ -3,7 +3,7 @@ multi-tensor kernel per step for all parameters, no apex needed."""
 import torch
 
 from megatron_adapt import report
-from megatron_adapt.backends.cpu.optimizers import make_adam
+from megatron_adapt.backends.reference import make_adam
 
 
 def Adam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,

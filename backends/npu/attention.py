@@ -30,10 +30,9 @@ multiple of Nkv, windows with an unbounded side) the reference runs, reported as
 import math
 
 import torch
-import torch.nn.functional as F
 
 from megatron_adapt import report
-from megatron_adapt.backends.cpu.softmax import build_mask
+from megatron_adapt.backends import reference
 
 from ._lib import torch_npu
 
@@ -76,15 +75,6 @@ def unsupported(q, k, v, attn_mask, window_size) -> str | None:
     return None
 
 
-def _reference(q, k, v, attn_mask, causal, scale, dropout_p, window_size):
-    sq, sk = q.size(-2), k.size(-2)
-    use_causal = causal and attn_mask is None and window_size is None and sq == sk
-    mask = None if use_causal else build_mask(sq, sk, causal, window_size, attn_mask, q.device)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=None if mask is None else ~mask, dropout_p=dropout_p,
-        is_causal=use_causal, scale=scale, enable_gqa=k.size(1) != q.size(1))
-
-
 def _kernel_mask(mask, b, n, sq, sk):
     """A bool mask broadcastable to [b, n, sq, sk] in a shape the kernel takes: SS/11SS/B1SS/BNSS."""
     if mask.dim() < 4:
@@ -116,12 +106,13 @@ def attention(q, k, v, attn_mask=None, causal=False, scale=None, dropout_p=0.0, 
     why = unsupported(q, k, v, attn_mask, window_size)
     if why:
         report.fell_back("attention", FALLBACK, why)
-        return _reference(q, k, v, attn_mask, causal, scale, dropout_p, window_size)
+        return reference.attention(q, k, v, attn_mask, causal, scale, dropout_p, window_size)
     b, hq, sq, d = q.shape
     sk = k.size(2)
     pre = nxt = 2147483647
     if attn_mask is not None:
-        mask = _kernel_mask(build_mask(sq, sk, causal, window_size, attn_mask, q.device), b, hq, sq, sk)
+        full = reference.build_mask(sq, sk, causal, window_size, attn_mask, q.device)
+        mask = _kernel_mask(full, b, hq, sq, sk)
         sparse_mode = 0
     elif window_size is not None:
         mask, sparse_mode = compressed_causal_mask(q.device), 4

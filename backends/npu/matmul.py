@@ -15,7 +15,7 @@ addmm_ into main_grad, reported as a fallback with the reason.
 import torch
 
 from megatron_adapt import report
-from megatron_adapt.backends.cpu import matmul as reference
+from megatron_adapt.backends import cpu_fallback
 
 from ._lib import PROBES, api, torch_npu
 
@@ -58,5 +58,4 @@ def wgrad_accumulate(input, grad_output, main_grad):  # noqa: A002 (apex's argum
         else:
             report.ran("wgrad_accumulate", IMPL)
             return
-    report.fell_back("wgrad_accumulate", FALLBACK, why)
-    reference.wgrad_accumulate(input, grad_output, main_grad)
+    cpu_fallback("wgrad_accumulate", why, input, grad_output, main_grad)  # reported as FALLBACK

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from megatron_adapt import report
-from megatron_adapt.backends.cpu import moe as reference
+from megatron_adapt.backends import reference
 
 from ._lib import api, torch_npu
 
@@ -107,7 +107,7 @@ def grouped_gemm(x, w, tokens_per_expert, trans_b: bool = False):
     why = _unsupported(x, w, tokens_per_expert.numel() if is_tensor else len(tokens_per_expert))
     if why is not None:
         report.fell_back("grouped_gemm", "npu.loop(matmul per expert)", why)
-        return reference.grouped_gemm_loop(x, w, tokens_per_expert, trans_b)
+        return reference.grouped_gemm(x, w, tokens_per_expert, trans_b)
     report.ran("grouped_gemm", GMM)
     if api().gmm_tensor_group_list:  # cumulative counts stay on the device: no host sync per call
         counts = None
@@ -147,7 +147,7 @@ def moe_permute(tokens, routing_map, probs=None, num_out_tokens=None):
         else _topk_table(routing_map.bool(), num_out_tokens)
     if table is None:
         report.fell_back("moe_permute", "npu.torch(moe_permute)", why)
-        return reference.permute_reference(tokens, routing_map, probs, num_out_tokens)
+        return reference.moe_permute(tokens, routing_map, probs, num_out_tokens)
     report.ran("moe_permute", "npu.torch_npu.npu_moe_token_permute")
     t, k = table.shape
     n = t * k
@@ -186,7 +186,7 @@ def moe_unpermute(permuted, row_map, restore_shape, merging_probs=None):
         why = "tokens have different numbers of rows (dropped tokens)" if pos is None else None
     if pos is None:
         report.fell_back("moe_unpermute", "npu.torch(moe_unpermute)", why)
-        return reference.unpermute_reference(permuted, row_map, restore_shape, merging_probs)
+        return reference.moe_unpermute(permuted, row_map, restore_shape, merging_probs)
     report.ran("moe_unpermute", "npu.torch_npu.npu_moe_token_unpermute")
     n = permuted.shape[0]
     k = n // t
@@ -203,16 +203,16 @@ def moe_unpermute(permuted, row_map, restore_shape, merging_probs=None):
 
 def moe_sort_chunks(input, split_sizes, sorted_idxs, probs=None):  # noqa: A002
     report.ran("moe_sort_chunks", "npu.torch.searchsorted+index_select")
-    return reference.sort_chunks_reference(input, split_sizes, sorted_idxs, probs)
+    return reference.moe_sort_chunks(input, split_sizes, sorted_idxs, probs)
 
 
 def moe_topk_router(logits, topk, use_pre_softmax=False, num_groups=None, group_topk=None,
                     scaling_factor=None, score_function="softmax", expert_bias=None):
     report.ran("moe_topk_router", f"npu.torch.{score_function}_topk")
-    return reference.topk_router_reference(logits, topk, use_pre_softmax, num_groups, group_topk,
-                                           scaling_factor, score_function, expert_bias)
+    return reference.moe_topk_router(logits, topk, use_pre_softmax, num_groups, group_topk,
+                                     scaling_factor, score_function, expert_bias)
 
 
 def moe_router_scores(logits, topk, score_function="softmax"):
     report.ran("moe_router_scores", f"npu.torch.{score_function}")
-    return reference.router_scores_reference(logits, topk, score_function)
+    return reference.moe_router_scores(logits, topk, score_function)

@@ -5,9 +5,8 @@ used by its backward). gamma must have x's dtype (documented), so a mismatched w
 autograd casts its gradient back. F.layer_norm dispatches to the NPU's LayerNorm kernel under
 torch_npu, exactly what MindSpeed uses when apex is absent (there is no separate torch_npu op).
 """
-import torch.nn.functional as F
-
 from megatron_adapt import report
+from megatron_adapt.backends import reference
 
 from ._lib import torch_npu
 
@@ -21,4 +20,4 @@ def rms_norm(x, weight, eps):
 
 def layer_norm(x, weight, bias, eps):
     report.ran("layer_norm", "npu.torch.F.layer_norm")
-    return F.layer_norm(x, (x.size(-1),), weight, bias, eps)
+    return reference.layer_norm(x, weight, bias, eps)

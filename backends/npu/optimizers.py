@@ -11,7 +11,7 @@ exp_avg_sq, step), so Megatron checkpoints stay interchangeable with every other
 import torch
 
 from megatron_adapt import report
-from megatron_adapt.backends.cpu.optimizers import make_adam
+from megatron_adapt.backends.reference import make_adam
 
 
 def Adam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,

@@ -17,8 +17,7 @@ fallback.
 import torch
 
 from megatron_adapt import report
-
-from megatron_adapt.backends.cpu.rope import rope_math as _reference
+from megatron_adapt.backends import reference
 
 from ._lib import PROBES, api, torch_npu
 
@@ -53,7 +52,7 @@ def rope(t, freqs, interleaved=False, mscale=1.0):
     why = unsupported(t, freqs, interleaved)
     if why:
         report.fell_back("rope", FALLBACK, why)
-        return _reference(t, freqs, interleaved, mscale)
+        return reference.rope(t, freqs, interleaved, mscale)
     r = freqs.size(-1)
     t_rot = t if r == t.size(-1) else t[..., :r].contiguous()
     cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
@@ -70,7 +69,7 @@ def rope(t, freqs, interleaved=False, mscale=1.0):
                 PROBES[PROBE] = (f"npu_rotary_mul(rotary_mode='interleave') refused by torch_npu "
                                         f"{api().version}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
                 report.fell_back("rope", FALLBACK, PROBES[PROBE])
-                return _reference(t, freqs, interleaved, mscale)
+                return reference.rope(t, freqs, interleaved, mscale)
             PROBES[PROBE] = True
     else:
         out = mul(t_rot, cos, sin)

@@ -11,8 +11,7 @@ Megatron's fused softmax is for; fp32 scores take the reference (reported).
 import torch
 
 from megatron_adapt import report
-from megatron_adapt.backends.cpu.softmax import build_mask
-from megatron_adapt.backends.cpu.softmax import softmax_math as _reference
+from megatron_adapt.backends import reference
 
 from ._lib import torch_npu
 
@@ -41,9 +40,9 @@ def scaled_masked_softmax(scores, mask, scale, causal, window_size=None, softmax
     why = unsupported(scores, mask)
     if why:
         report.fell_back("scaled_masked_softmax", FALLBACK, why)
-        return _reference(scores, mask, scale, causal, window_size, softmax_in_fp32)
+        return reference.scaled_masked_softmax(scores, mask, scale, causal, window_size, softmax_in_fp32)
     sq, sk = scores.shape[-2:]
-    m = build_mask(sq, sk, causal, window_size, mask, scores.device)
+    m = reference.build_mask(sq, sk, causal, window_size, mask, scores.device)
     if m is None:
         m = torch.zeros((1, 1, sq, sk), dtype=torch.bool, device=scores.device)
     elif m.dim() < 4:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from _cuda_helpers import DEVICE, GPU, assert_close, ran_impl, reset
-from megatron_adapt.backends.cpu.softmax import build_mask
+from megatron_adapt.backends.reference import build_mask
 from megatron_adapt.backends.cuda import attention as attn
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

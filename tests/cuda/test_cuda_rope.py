@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from _cuda_helpers import DEVICE, DTYPES, GPU, assert_close, ran_impl, reset
-from megatron_adapt.backends.cpu.rope import rope as reference
+from megatron_adapt.backends.reference import rope as reference
 from megatron_adapt.backends.cuda import rope
 
 # (s, b, h, d, rot_dim)

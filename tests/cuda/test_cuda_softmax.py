@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from _cuda_helpers import DEVICE, DTYPES, GPU, assert_close, ran_impl, reset
-from megatron_adapt.backends.cpu.softmax import scaled_masked_softmax as reference
+from megatron_adapt.backends.reference import scaled_masked_softmax as reference
 from megatron_adapt.backends.cuda import softmax
 
 SHAPES = [(2, 4, 128, 2048), (1, 2, 64, 3001), (1, 1, 8, 20000)] if GPU else \

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_adapt.backends import npu as npu_backend
-from megatron_adapt.backends.cpu import moe as ref_moe
+from megatron_adapt.backends import reference as ref
 
 
 def op(name):
@@ -112,7 +112,7 @@ def test_grouped_gemm_k_axis_refusals(torch_npu):
 def routed(t, e, k, empty=(1,)):
     logits = torch.randn(t, e)
     logits[:, list(empty)] = -1e9
-    probs, routing_map = ref_moe.topk_router_reference(logits, k)
+    probs, routing_map = ref.moe_topk_router(logits, k)
     return routing_map, probs
 
 
@@ -123,7 +123,7 @@ def test_permute_unpermute_npu_kernels(torch_npu, report):
     x = torch.randn(t, h).bfloat16().requires_grad_()
     probs = probs.requires_grad_()
     out, pprobs, row_map = op("moe_permute")(x, routing_map, probs, t * k)
-    r_out, r_probs, _ = ref_moe.permute_reference(x.detach(), routing_map, probs.detach(), t * k)
+    r_out, r_probs, _ = ref.moe_permute(x.detach(), routing_map, probs.detach(), t * k)
     assert torch.equal(out, r_out) and torch.equal(pprobs.detach(), r_probs)  # Megatron's row order
     y = op("moe_unpermute")(out, row_map, (t, h), probs)
     expect = x.detach().double() * probs.detach().sum(-1, keepdim=True).double()
@@ -153,12 +153,12 @@ def test_permute_dropped_tokens_and_fp32_fall_back_reported(torch_npu, report):
     x = torch.randn(t, h).bfloat16()
     n = int(routing_map.sum())
     out, _, row_map = op("moe_permute")(x, routing_map, None, n)
-    assert torch.equal(out, ref_moe.permute_reference(x, routing_map, None, n)[0])
+    assert torch.equal(out, ref.moe_permute(x, routing_map, None, n)[0])
     reasons = {o["fallback_reason"] for o in report.as_dict()["ops"] if o["op"] == "moe_permute"}
     assert any(("different numbers of experts" if hasattr(torch_npu, "npu_moe_token_permute")
                 else "has no npu_moe_token_permute") in r for r in reasons), reasons
     y = op("moe_unpermute")(out, row_map, (t, h))  # dropped tokens: unpermute falls back too
-    torch.testing.assert_close(y.float(), ref_moe.unpermute_reference(out, row_map, (t, h)).float())
+    torch.testing.assert_close(y.float(), ref.moe_unpermute(out, row_map, (t, h)).float())
     report.reset_op_counts()
     op("moe_permute")(torch.randn(t, h), routing_map, None, n)
     reasons = {o["fallback_reason"] for o in report.as_dict()["ops"] if o["op"] == "moe_permute"}
@@ -173,10 +173,10 @@ def test_kernel_and_fallback_row_maps_pair(torch_npu, report):
     routing_map, probs = routed(t, e, k)
     x = torch.randn(t, h).bfloat16()
     out, _, row_map = op("moe_permute")(x, routing_map, None, t * k)
-    r_out, _, r_row_map = ref_moe.permute_reference(x, routing_map, None, t * k)
+    r_out, _, r_row_map = ref.moe_permute(x, routing_map, None, t * k)
     assert torch.equal(row_map, r_row_map) and torch.equal(out, r_out)
     y = op("moe_unpermute")(r_out, r_row_map, (t, h), probs)
-    torch.testing.assert_close(y.float(), ref_moe.unpermute_reference(out, row_map, (t, h), probs).float(),
+    torch.testing.assert_close(y.float(), ref.moe_unpermute(out, row_map, (t, h), probs).float(),
                                atol=2e-2, rtol=2e-2)
 
 

@@ -1,6 +1,7 @@
-"""Tier 2: the MoE ops (backends/cpu/moe.py, which the cuda backend also runs for permutation and
-routing, and whose loop is every backend's grouped-GEMM fallback) against fp32/fp64 references
-written from the math, forward and backward: uneven tokens per expert, experts with no tokens."""
+"""Tier 2: the cpu backend's MoE ops (the references in backends/reference.py, which the cuda
+backend also runs for permutation and routing, and whose loop is every backend's grouped-GEMM
+fallback) against fp32/fp64 references written from the math, forward and backward: uneven
+tokens per expert, experts with no tokens."""
 import pytest
 import torch
 import torch.nn.functional as F
