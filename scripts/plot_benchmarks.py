@@ -32,6 +32,7 @@ except ImportError as exc:  # pragma: no cover - exercised by hand
 PLOTS = (
     "speedup_dense_095b.png",
     "speedup_moe.png",
+    "speedup_small_presets.png",
     "speedup_core016_vs_core019.png",
     "loss_095b_headline.png",
     "loss_095b_dropout0.png",
@@ -114,6 +115,10 @@ MOE_CALLS = (
     ("moe_h100_core019.json", None, "2026-11-24 15c27ef  H100, 16 vCPU\ncore_v0.19.0, 20 it. (before the expert-grad fix)"),
     ("moe_h100_core016_core019_same_call.json", "core_v0.16.1", "2026-11-24 301bd87  H100, 4 vCPU\ncore_v0.16.1, 20 it. (same call)"),
     ("moe_h100_core016_core019_same_call.json", "core_v0.19.0", "2026-11-24 301bd87  H100, 4 vCPU\ncore_v0.19.0, 20 it. (same call)"),
+)
+SMALL_CALLS = (
+    ("e2e_h100_gpt2_350m.json", None, "2026-11-25  H100, 16 vCPU\ngpt2-350m, default dropout"),
+    ("e2e_h100_gpt2_125m_dropout0.json", None, "2026-11-25  H100, 16 vCPU\ngpt2-125m, dropout 0"),
 )
 ORDER = ("adapt", "adapt_off", "adapt_graphs", "adapt_graphs_off", "adapt_full_graph", "stock_full_graph")
 
@@ -360,6 +365,8 @@ def main(argv=None):
                   "(each call against its own stock run; label: commit date and hash, GPU, host CPU, Megatron-LM tag)", out("speedup_dense_095b.png"))
     speedup_chart(res, MOE_CALLS, "MoE GPT (16 layers, hidden 2048, 8 experts top-2), one H100, bf16:\n"
                   "speed-up over stock (local, no grouped GEMM) in the same call", out("speedup_moe.png"))
+    speedup_chart(res, SMALL_CALLS, "Small GPT-2-style presets (scripts/bench_e2e.sh PRESET=...), one H100, bf16, core_v0.16.1:\n"
+                  "speed-up over stock; the defaults are host-bound, Megatron's CUDA graphs are not", out("speedup_small_presets.png"))
     core_chart(res, out("speedup_core016_vs_core019.png"))
     loss_chart(res, "e2e_h100_host_trim.json",
                "0.95B GPT, README headline call: e2e_h100_host_trim.json (2026-11-24 b317278), H100 80GB HBM3, "

@@ -8,9 +8,10 @@ import pytest
 os.environ.setdefault("MEGATRON_ADAPT_AUTO", "0")
 
 EMULATION_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "emulation")
-# The Ascend Extension releases the emulation models (emulation/torch_npu/_ops.py PROFILES): every
-# test that takes the torch_npu fixture runs once under each.
-PROFILES = ("6.0.0", "7.0.0", "7.1.0", "7.3.0")
+# The Ascend Extension releases the emulation models: every test that takes the torch_npu fixture
+# runs once under each (defined in torch_npu_api: `from conftest import` is ambiguous with several
+# conftest.py files in one run).
+from torch_npu_api import PROFILES  # noqa: E402
 
 
 def _drop_emulation():

@@ -8,7 +8,7 @@ import inspect
 import pytest
 import torch
 
-from torch_npu_api import ROWS, rows_for
+from torch_npu_api import PROFILES, ROWS, rows_for
 
 KW = inspect.Parameter.KEYWORD_ONLY
 POS = inspect.Parameter.POSITIONAL_OR_KEYWORD
@@ -57,8 +57,6 @@ def test_parser_reads_the_schema_forms():
 
 
 def test_every_profile_has_rows_and_each_row_names_a_source():
-    from conftest import PROFILES
-
     for release in PROFILES:
         assert rows_for(release)
     for row in ROWS:

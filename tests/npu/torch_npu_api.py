@@ -60,6 +60,9 @@ class Row:
 FA_ARGS = "torch.randn(1, 2, 8, 4).half(), torch.randn(1, 2, 8, 4).half(), torch.randn(1, 2, 8, 4).half(), 2, 'BNSD'"
 GMM_X = "[torch.randn(6, 4).bfloat16()]"
 
+# The Ascend Extension releases the emulation models (emulation/torch_npu/_ops.py PROFILES).
+PROFILES = ("6.0.0", "7.0.0", "7.1.0", "7.3.0")
+
 ROWS = (
     Row(ALL, "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
         f"{yaml('6.0.0')}; same line in 7.0.0, 7.1.0, 7.3.0; docs/context/torch_npu-npu_rms_norm.md",
