@@ -119,6 +119,8 @@ MOE_CALLS = (
 SMALL_CALLS = (
     ("e2e_h100_gpt2_350m.json", None, "2026-11-25  H100, 16 vCPU\ngpt2-350m, default dropout"),
     ("e2e_h100_gpt2_125m_dropout0.json", None, "2026-11-25  H100, 16 vCPU\ngpt2-125m, dropout 0"),
+    ("e2e_h100_llama_350m.json", None, "2026-11-25  H100, 16 vCPU\nllama-350m, default dropout"),
+    ("e2e_h100_llama_125m.json", None, "2026-11-25  H100, 16 vCPU\nllama-125m, default dropout"),
 )
 ORDER = ("adapt", "adapt_off", "adapt_graphs", "adapt_graphs_off", "adapt_full_graph", "stock_full_graph")
 
@@ -365,7 +367,7 @@ def main(argv=None):
                   "(each call against its own stock run; label: commit date and hash, GPU, host CPU, Megatron-LM tag)", out("speedup_dense_095b.png"))
     speedup_chart(res, MOE_CALLS, "MoE GPT (16 layers, hidden 2048, 8 experts top-2), one H100, bf16:\n"
                   "speed-up over stock (local, no grouped GEMM) in the same call", out("speedup_moe.png"))
-    speedup_chart(res, SMALL_CALLS, "Small GPT-2-style presets (scripts/bench_e2e.sh PRESET=...), one H100, bf16, core_v0.16.1:\n"
+    speedup_chart(res, SMALL_CALLS, "Small presets (scripts/bench_e2e.sh PRESET=...), one H100, bf16, core_v0.16.1:\n"
                   "speed-up over stock; the defaults are host-bound, Megatron's CUDA graphs are not", out("speedup_small_presets.png"))
     core_chart(res, out("speedup_core016_vs_core019.png"))
     loss_chart(res, "e2e_h100_host_trim.json",
