@@ -13,6 +13,7 @@ SCRIPT = os.path.join(REPO, "scripts", "plot_benchmarks.py")
 EXPECTED = (
     "speedup_dense_095b.png",
     "speedup_moe.png",
+    "speedup_small_presets.png",
     "speedup_core016_vs_core019.png",
     "loss_095b_headline.png",
     "loss_095b_dropout0.png",
