@@ -13,7 +13,7 @@ forward-only mode. Under megatron-adapt every op (attention, norms, the vocab-pa
 entropy, ...) is the selected backend's; nothing here depends on the backend.
 
 Reports strict last-word accuracy and perplexity over the last words' tokens (definitions in
-megatron_adapt/lambada.py and docs/evaluation.md). Context parallelism is not supported.
+megatron_adapt/apps/lambada.py and docs/evaluation.md). Context parallelism is not supported.
 """
 from __future__ import annotations
 
