@@ -40,22 +40,22 @@ def _layout(value: str | None) -> str:
     return ATTENTION_LAYOUTS[key]
 
 
-def _external(value: str | None) -> str:
-    mode = (value or "auto").strip().lower()
-    if mode not in EXTERNAL_MODES:
+def _choice(env: str, value: str | None, modes: tuple, hint: str) -> str:
+    """One of `modes` (the first is the default), or a ConfigError naming the variable."""
+    mode = (value or modes[0]).strip().lower()
+    if mode not in modes:
         from .errors import ConfigError
-        raise ConfigError(f"{ENV_EXTERNAL}={value!r}: expected one of {', '.join(EXTERNAL_MODES)} "
-                          "(auto: another library's kernel only where it measures faster)")
+        raise ConfigError(f"{env}={value!r}: expected one of {', '.join(modes)} ({hint})")
     return mode
+
+
+def _external(value: str | None) -> str:
+    return _choice(ENV_EXTERNAL, value, EXTERNAL_MODES, "auto: another library's kernel only where it measures faster")
 
 
 def _cuda_graphs(value: str | None) -> str:
-    mode = (value or "off").strip().lower()
-    if mode not in CUDA_GRAPH_MODES:
-        from .errors import ConfigError
-        raise ConfigError(f"{ENV_CUDA_GRAPHS}={value!r}: expected one of {', '.join(CUDA_GRAPH_MODES)} "
-                          "(local: turn on Megatron's --cuda-graph-impl local; auto: where it can capture)")
-    return mode
+    return _choice(ENV_CUDA_GRAPHS, value, CUDA_GRAPH_MODES,
+                   "local: turn on Megatron's --cuda-graph-impl local; auto: where it can capture")
 
 
 @dataclass(frozen=True)
