@@ -19,6 +19,8 @@ ENV_EXTERNAL = "MEGATRON_ADAPT_EXTERNAL"  # auto | off | liger | apex (backends/
 ENV_CHECKPOINT_HARDEN = "MEGATRON_ADAPT_CHECKPOINT_HARDEN"  # "1": patches/checkpoint_hardening.py
 ENV_CUDA_GRAPHS = "MEGATRON_ADAPT_CUDA_GRAPHS"  # off | local | auto (patches/cuda_graphs.py)
 CUDA_GRAPH_MODES = ("off", "local", "auto")
+ENV_EAGER_OPS = "MEGATRON_ADAPT_EAGER_OPS"  # triton | torch (backends/cuda/_common.py: eager_native)
+EAGER_OPS_MODES = ("torch", "triton")
 EXTERNAL_MODES = ("auto", "off", "liger", "apex", "flash_attn")
 ATTENTION_LAYOUTS = {"sbhd": "sbhd", "sbh": "sbhd", "bshd": "bshd", "bsh": "bshd"}
 
@@ -58,6 +60,12 @@ def _cuda_graphs(value: str | None) -> str:
                    "local: turn on Megatron's --cuda-graph-impl local; auto: where it can capture")
 
 
+def _eager_ops(value: str | None) -> str:
+    return _choice(ENV_EAGER_OPS, value, EAGER_OPS_MODES,
+                   "the cuda backend's norms, activations and bias-dropout-add outside CUDA-graph capture: "
+                   "torch: PyTorch's native ops, fewer host microseconds; triton: its Triton kernels")
+
+
 @dataclass(frozen=True)
 class Config:
     backend: str = "auto"
@@ -70,13 +78,14 @@ class Config:
     allow_untested: bool = False    # a megatron-core newer than SUPPORTED warns instead of failing
     checkpoint_harden: bool = False  # checkpoint files 0640 / dirs 0750, refuse world-writable, weights_only
     cuda_graphs: str = "off"        # Megatron's own CUDA graphs: off (Megatron's flags decide) | local | auto
+    eager_ops: str = "torch"        # cuda norms / activations / bias-dropout-add outside graph capture: torch | triton
 
     @classmethod
     def resolve(cls, backend: str | None = None, **switches) -> "Config":
         """Explicit arguments win over the environment.
 
         switches: strict=bool, report_path=str, quiet=bool, attention_layout=str, external=str,
-        allow_untested=bool, checkpoint_harden=bool, cuda_graphs=str, disable=iterable of areas, and
+        allow_untested=bool, checkpoint_harden=bool, cuda_graphs=str, eager_ops=str, disable=iterable of areas, and
         ``<area>=False`` to turn one patch area off (``cross_entropy=False``).
         """
         env = os.environ
@@ -84,7 +93,7 @@ class Config:
         disabled |= set(switches.pop("disable", ()) or ())
         for key in list(switches):
             if key in ("strict", "report_path", "quiet", "attention_layout", "external", "allow_untested",
-                       "checkpoint_harden", "cuda_graphs"):
+                       "checkpoint_harden", "cuda_graphs", "eager_ops"):
                 continue
             value = switches.pop(key)
             if value is False:
@@ -109,6 +118,7 @@ class Config:
             allow_untested=switches.get("allow_untested", _truthy(env.get(ENV_ALLOW_UNTESTED))),
             checkpoint_harden=bool(harden),
             cuda_graphs=_cuda_graphs(switches.get("cuda_graphs", env.get(ENV_CUDA_GRAPHS))),
+            eager_ops=_eager_ops(switches.get("eager_ops", env.get(ENV_EAGER_OPS))),
         )
 
     def enabled(self, area: str) -> bool:

@@ -30,6 +30,7 @@ import time
 import torch
 
 os.environ.setdefault("MEGATRON_ADAPT_AUTO", "0")   # the cuda backend's ops are timed, nothing applied
+os.environ.setdefault("MEGATRON_ADAPT_EAGER_OPS", "triton")   # ours, not PyTorch's op they are compared with
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before Triton is imported
 

@@ -24,6 +24,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+# our Triton kernels are timed: not PyTorch's native op, which eager calls take by default
+os.environ.setdefault("MEGATRON_ADAPT_EAGER_OPS", "triton")
 ROWS = []
 COPY_GBPS = None
 SELECT = []   # (op, args) at the benchmark's shapes, for the providers' tournament

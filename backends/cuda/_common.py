@@ -88,6 +88,25 @@ try:
 except Exception:  # no Triton, or one without knobs (< 3.4): the ordinary launcher everywhere
     _JITFunction, _knobs, _DIRECT = None, None, False
 
+_core = None
+NATIVE = "torch.native (MEGATRON_ADAPT_EAGER_OPS=torch)"
+
+
+def eager_native(x) -> bool:
+    """Whether this call takes PyTorch's native op instead of our Triton kernel.
+
+    Under MEGATRON_ADAPT_EAGER_OPS=torch, CUDA tensors outside a CUDA-graph capture do: a native
+    op's backward is a C++ autograd node, while ours crosses into Python on the autograd thread
+    (host time per layer: docs/host-time.md). Inside a capture host time is gone and our kernels
+    are the faster ones on the GPU, so a capture always takes Triton."""
+    global _core
+    if _core is None:   # imported on first use: megatron_adapt.core imports the backends
+        from megatron_adapt import core as _c
+        _core = _c
+    return (_core.active_config().eager_ops == "torch" and x.is_cuda
+            and not torch.cuda.is_current_stream_capturing())
+
+
 _compiled: dict = {}      # (kernel, device, specialisation, options) -> (run, function, packed, compiled, tail)
 _I32 = (-2 ** 31, 2 ** 31)
 

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from megatron_adapt import report
 
-from ._common import cdiv, launch, fallback, kernel_reason
+from ._common import NATIVE, cdiv, eager_native, launch, fallback, kernel_reason
 from . import providers
 
 BLOCK = 1024
@@ -123,6 +123,10 @@ class _BiasGeLU(torch.autograd.Function):
 
 @providers.selectable("swiglu")
 def swiglu(x):
+    if eager_native(x) and x.size(-1) % 2 == 0:
+        report.ran("swiglu", NATIVE)
+        a, b = torch.chunk(x, 2, -1)
+        return torch.nn.functional.silu(a) * b
     why = kernel_reason(x) or (None if x.size(-1) % 2 == 0 else "odd last dim")
     if why:
         return fallback("swiglu", why, x)
@@ -131,6 +135,10 @@ def swiglu(x):
 
 
 def bias_swiglu(x, bias):
+    if eager_native(x) and x.size(-1) % 2 == 0:
+        report.ran("bias_swiglu", NATIVE)
+        a, b = torch.chunk(x + bias, 2, -1)
+        return torch.nn.functional.silu(a) * b
     why = kernel_reason(x, bias) or (None if x.size(-1) % 2 == 0 else "odd last dim")
     if why:
         return fallback("bias_swiglu", why, x, bias)
@@ -139,6 +147,9 @@ def bias_swiglu(x, bias):
 
 
 def bias_gelu(bias, y):
+    if eager_native(y):
+        report.ran("bias_gelu", NATIVE)
+        return torch.nn.functional.gelu(y + bias, approximate="tanh")
     why = kernel_reason(y, bias)
     if why:
         return fallback("bias_gelu", why, bias, y)

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from megatron_adapt import report
 
-from ._common import cdiv, launch, fallback, kernel_reason
+from ._common import NATIVE, cdiv, eager_native, launch, fallback, kernel_reason
 
 BLOCK = 4096
 WIDE_FROM = 2 ** 31  # from this many elements, Philox counters are 64-bit (the tests lower it)
@@ -102,6 +102,9 @@ class _BiasDropoutAdd(torch.autograd.Function):
 
 def bias_dropout_add(x, bias, residual, prob):
     """residual + dropout(x + bias, prob) in training; bias may be None."""
+    if eager_native(x):
+        report.ran("bias_dropout_add", NATIVE)
+        return residual + torch.nn.functional.dropout(x if bias is None else x + bias, prob, training=True)
     why = kernel_reason(x, bias, residual)
     if why is None and (x.shape != residual.shape or x.dtype != residual.dtype):
         why = "x and residual differ in shape or dtype"

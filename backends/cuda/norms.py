@@ -22,7 +22,7 @@ import triton.language as tl
 
 from megatron_adapt import report
 
-from ._common import cdiv, launch, fallback, kernel_reason, next_pow2, num_programs, warps_for
+from ._common import NATIVE, cdiv, eager_native, launch, fallback, kernel_reason, next_pow2, num_programs, warps_for
 from . import providers
 
 MAX_FUSED = 16384   # widest row kept whole in registers
@@ -434,6 +434,9 @@ def _split_backward(ctx, x2, w, dy2, mean, rstd, dx, dw, db):
 
 @providers.selectable("rms_norm")
 def rms_norm(x, weight, eps):
+    if eager_native(x):
+        report.ran("rms_norm", NATIVE)
+        return torch.nn.functional.rms_norm(x, (x.size(-1),), weight, eps)
     why = kernel_reason(x, weight)
     if why:
         return fallback("rms_norm", why, x, weight, eps)
@@ -443,6 +446,9 @@ def rms_norm(x, weight, eps):
 
 @providers.selectable("layer_norm")
 def layer_norm(x, weight, bias, eps):
+    if eager_native(x):
+        report.ran("layer_norm", NATIVE)
+        return torch.nn.functional.layer_norm(x, (x.size(-1),), weight, bias, eps)
     why = kernel_reason(x, weight, bias)
     if why:
         return fallback("layer_norm", why, x, weight, bias, eps)

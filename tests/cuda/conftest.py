@@ -20,6 +20,9 @@ def _ours_only(monkeypatch):
     """These tests check OUR kernels: no other library's kernel may be chosen for a call (with
     Liger-Kernel installed it wins some shapes). test_cuda_providers sets its own mode."""
     monkeypatch.setenv("MEGATRON_ADAPT_EXTERNAL", "off")
+    # and on a GPU, outside graph capture, not PyTorch's native op either (the default for eager
+    # calls: MEGATRON_ADAPT_EAGER_OPS); test_cuda_eager_ops tests that choice
+    monkeypatch.setenv("MEGATRON_ADAPT_EAGER_OPS", "triton")
 
 
 @pytest.fixture(autouse=True)
