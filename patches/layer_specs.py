@@ -289,9 +289,12 @@ def build_te_norm(backend, original):
 
 def build_mla_te_linear(backend, original):
     """multi_latent_attention asks `linear_q_down_proj in [TELinear]` to pass
-    parallel_mode="duplicated" (and no TP group); without TE its TELinear is None, so the
-    provider's duplicated linear would be refused as "Unsupported linear_q_down_proj"."""
-    _require_no_te(original)
+    parallel_mode="duplicated" (and no TP group). Without TE its TELinear is None (core_v0.17+),
+    so the provider's duplicated linear would be refused as "Unsupported linear_q_down_proj", or
+    (0.15-0.16, whose extension module subclasses a MagicMock standing in for TE) a MagicMock,
+    which MLA's `isinstance(linear_proj, TELinear)` rejects with a TypeError; there every alias of
+    that stand-in is rebound too, so calling "TELinear" builds a real module or refuses clearly."""
+    _require_no_te(None)
     return duplicated_linear_class()
 
 

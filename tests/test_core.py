@@ -467,3 +467,18 @@ def test_every_backend_serves_exactly_the_ops_of_the_contract():
             assert callable(backend.op(op)), (name, op)
     rng_specs = [s for s in rng.SPECS if s.qualname.endswith("_cuda_rng_state")]
     assert len(rng_specs) == 2 and all("cuda" not in s.backends for s in rng_specs), rng_specs
+
+
+def test_cpu_device_layer_maps_a_device_index_to_the_cpu():
+    """`torch.device(torch.cuda.current_device())` (core_v0.16's YaRN RoPE opens it as a device
+    context) means GPU N; on a CPU build it raised "Cannot access accelerator device"."""
+    proc = run_python(textwrap.dedent("""
+        import torch, megatron_adapt
+        megatron_adapt.apply("cpu", quiet=True)
+        with torch.device(torch.cuda.current_device()):
+            x = torch.ones(2)
+        assert x.device.type == "cpu" and torch.device("cpu").type == "cpu", x.device
+        megatron_adapt.revert()
+        print("OK")
+        """), env={"MEGATRON_ADAPT_AUTO": "0"})
+    assert proc.stdout.strip().endswith("OK"), proc.stdout
