@@ -287,6 +287,28 @@ def build_te_norm(backend, original):
     return BackendNorm
 
 
+def build_clip_vit_init(backend, original):
+    """CLIPViTModel's `ln_pre_impl` / `ln_post_impl` default to clip_vit_model's NORM_IMPL, read
+    when the module is imported: TENorm with TE, else torch.nn.LayerNorm, which build_module calls
+    with TENorm's arguments (`config=`: a TypeError). The same __init__ (same code and closure)
+    whose default is the backend norm, with TENorm's constructor. The module global keeps
+    torch.nn.LayerNorm: replacing it would rebind torch's class wherever Megatron holds it."""
+    import types
+
+    _require_no_te(None)
+    defaults = original.__defaults__ or ()
+    if not any(d is torch.nn.LayerNorm for d in defaults):
+        raise SkipPatch("CLIPViTModel's norm defaults are not torch.nn.LayerNorm here")
+    new = types.FunctionType(original.__code__, original.__globals__, original.__name__,
+                             tuple(BackendNorm if d is torch.nn.LayerNorm else d for d in defaults),
+                             original.__closure__)
+    new.__kwdefaults__ = original.__kwdefaults__
+    for attr in ("__qualname__", "__module__", "__doc__", "__annotations__"):
+        setattr(new, attr, getattr(original, attr))
+    new.__dict__.update(original.__dict__)
+    return new
+
+
 def build_mla_te_linear(backend, original):
     """multi_latent_attention asks `linear_q_down_proj in [TELinear]` to pass
     parallel_mode="duplicated" (and no TP group). Without TE its TELinear is None (core_v0.17+),
@@ -315,4 +337,6 @@ SPECS = [
     *_provider_specs("megatron.core.models.gpt.experimental_attention_variant_module_specs", optional=True),
     PatchSpec("megatron.core.transformer.multi_latent_attention:TELinear", area="layer_specs",
               build=build_mla_te_linear),
+    PatchSpec("megatron.core.models.vision.clip_vit_model:CLIPViTModel.__init__", area="layer_specs",
+              build=build_clip_vit_init),
 ]
