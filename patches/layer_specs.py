@@ -15,9 +15,13 @@ state-dict keys of a TE-built one (`linear_qkv.layer_norm_weight`, ...):
   backend's norm op, then Megatron's ColumnParallelLinear);
 - linears -> Megatron's ColumnParallelLinear / RowParallelLinear (gradient-accumulation fusion
   through patches/grad_accum_fusion);
-- core attention -> Megatron's DotProductAttention, whose forward patches/attention puts on the
-  backend's fused attention op (this is what `--attention-backend auto` gets);
-- norms -> the backend norm (patches/norms' replacement of WrappedTorchNorm).
+- core attention -> Megatron's DotProductAttention taking TEDotProductAttention's k_channels /
+  v_channels (multi-latent attention), whose forward patches/attention puts on the backend's fused
+  attention op (this is what `--attention-backend auto` gets);
+- TE's duplicated TELinear (MLA's down projections) -> AdaptDuplicatedLinear, also bound as
+  multi_latent_attention's TELinear;
+- norms -> the backend norm (patches/norms' replacement of WrappedTorchNorm), also as CLIP-ViT's
+  default ln_pre / ln_post norm.
 With TE installed every spec here is skipped.
 """
 import torch
