@@ -148,6 +148,11 @@ def rope(t, freqs, interleaved=False, mscale=1.0):
     return torch.cat((out, t_pass), dim=-1) if t_pass.numel() else out
 
 
+def rope_cos_sin(t, cos, sin):
+    """Rotate-half RoPE from precomputed cos / sin (any scale folded in)."""
+    return t * cos.to(t.dtype) + _rotate_half(t, False) * sin.to(t.dtype)
+
+
 # ----------------------------------------------------------------------------- activations, dropout
 def swiglu(x):
     a, b = torch.chunk(x, 2, dim=-1)

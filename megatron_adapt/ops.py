@@ -39,6 +39,11 @@ OPS: dict[str, Op] = {
         ".rope:rope",
         "(t[s, b, h, d], freqs[s, 1, 1, r] angles (r <= d), interleaved: bool) -> t with its "
         "first r channels rotated"),
+    "rope_cos_sin": Op(
+        ".rope:rope_cos_sin",
+        "(t[..., r], cos[..., r], sin[..., r] broadcastable to t) -> t * cos + rotate_half(t) * "
+        "sin, pairs (i, i + r/2); cos and sin carry any scale (YaRN's mscale). Multi-latent "
+        "attention's fused YaRN RoPE; cuda leaves it to Megatron's own Triton kernel"),
     "swiglu": Op(".activations:swiglu", "(x[..., 2f]) -> silu(x[..., :f]) * x[..., f:]"),
     "bias_swiglu": Op(".activations:bias_swiglu", "(x, bias) -> swiglu(x + bias)"),
     "bias_gelu": Op(".activations:bias_gelu", "(bias, y) -> gelu_tanh(y + bias)"),

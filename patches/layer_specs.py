@@ -15,9 +15,13 @@ state-dict keys of a TE-built one (`linear_qkv.layer_norm_weight`, ...):
   backend's norm op, then Megatron's ColumnParallelLinear);
 - linears -> Megatron's ColumnParallelLinear / RowParallelLinear (gradient-accumulation fusion
   through patches/grad_accum_fusion);
-- core attention -> Megatron's DotProductAttention, whose forward patches/attention puts on the
-  backend's fused attention op (this is what `--attention-backend auto` gets);
-- norms -> the backend norm (patches/norms' replacement of WrappedTorchNorm).
+- core attention -> Megatron's DotProductAttention taking TEDotProductAttention's k_channels /
+  v_channels (multi-latent attention), whose forward patches/attention puts on the backend's fused
+  attention op (this is what `--attention-backend auto` gets);
+- TE's duplicated TELinear (MLA's down projections) -> AdaptDuplicatedLinear, also bound as
+  multi_latent_attention's TELinear;
+- norms -> the backend norm (patches/norms' replacement of WrappedTorchNorm), also as CLIP-ViT's
+  default ln_pre / ln_post norm.
 With TE installed every spec here is skipped.
 """
 import torch
@@ -108,21 +112,150 @@ def _provider_class(backend):
             return BackendNorm
 
         def linear(self):
-            return DuplicatedLinearUnavailable
+            return duplicated_linear_class()
+
+        def core_attention(self):
+            return core_attention_class()
 
     return AdaptSpecProvider
 
 
-class DuplicatedLinearUnavailable:
-    """What the provider's `linear()` names: TE's TELinear(parallel_mode="duplicated"), a linear
-    replicated on every TP rank (MLA's down projections), has no local equivalent here. Naming it
-    is allowed, so that specs (and modules listing them, as Megatron's MLA tests do at import) can be
-    built; building the layer is a clear error."""
+_classes: dict[str, type] = {}   # backend-independent modules, built once Megatron is importable
 
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError(
-            "this TE spec needs TE's duplicated (non-parallel) TELinear, which megatron-adapt's "
-            "provider has no local equivalent for; use --transformer-impl local")
+
+def duplicated_linear_class():
+    """TE's TELinear as the TE spec uses it (`parallel_mode="duplicated"`: MLA's q / kv down
+    projections), built on Megatron's own linear autograd function."""
+    if "duplicated_linear" not in _classes:
+        _classes["duplicated_linear"] = _build_duplicated_linear()
+    return _classes["duplicated_linear"]
+
+
+def _build_duplicated_linear():
+    import contextlib
+
+    from megatron.core.tensor_parallel import layers, random
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    class AdaptDuplicatedLinear(torch.nn.Module):
+        """A linear replicated on every tensor-parallel rank: TELinear's constructor arguments,
+        its parameter names (`weight` [out, in], `bias`) and checkpoint layout (replicated, with an
+        empty `_extra_state`).
+
+        As TE does for this mode: the weight is initialised under Megatron's data-parallel RNG
+        tracker (the same values on every TP rank), its parameters carry `allreduce=True`,
+        `tensor_model_parallel=False` and `sequence_parallel=config.sequence_parallel` (under
+        sequence parallelism each TP rank sees its own tokens, so Megatron all-reduces their
+        gradients over the TP group), and the matmul is Megatron's
+        `linear_with_grad_accumulation_and_async_allreduce` with no communication, so
+        gradient-accumulation fusion works as in the parallel linears. Only "duplicated" exists:
+        the spec's column / row modes are served by the parallel linears.
+        """
+
+        def __init__(self, input_size, output_size, *, parallel_mode, config, init_method, bias,
+                     skip_bias_add, skip_weight_param_allocation, tp_comm_buffer_name=None,
+                     is_expert=False, symmetric_ar_type=None, tp_group=None, name=None,
+                     gtp_remat_group=None):
+            super().__init__()
+            if parallel_mode != "duplicated":
+                raise NotImplementedError(
+                    f"TELinear(parallel_mode={parallel_mode!r}): megatron-adapt serves TE's plain "
+                    "linear only as the TE spec uses it, duplicated on every tensor-parallel rank; "
+                    "column / row parallel linears come from the spec's column_parallel_linear / "
+                    "row_parallel_linear")
+            if is_expert or skip_weight_param_allocation or tp_group is not None:
+                raise ValueError("a duplicated linear is neither an expert layer nor split over a "
+                                 "TP group, and allocates its own weight (as TE's TELinear)")
+            self.config = config
+            self.input_size, self.output_size = input_size, output_size
+            self.skip_bias_add = skip_bias_add
+            self.parallel_mode = None   # TE's attribute for the duplicated mode
+            device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+            self.weight = torch.nn.Parameter(
+                torch.empty(output_size, input_size, device=device, dtype=config.params_dtype))
+            self.bias = (torch.nn.Parameter(torch.zeros(output_size, device=device,
+                                                        dtype=config.params_dtype))
+                         if bias else None)
+            if config.perform_initialization:
+                tracker = random.get_cuda_rng_tracker()
+                name_ = random.get_data_parallel_rng_tracker_name()
+                fork = (tracker.fork(name_) if tracker.is_initialized() and name_ in tracker.get_states()
+                        else contextlib.nullcontext())
+                with fork:
+                    init_method(self.weight)
+            for p in self.parameters():
+                p.allreduce = True
+                p.sequence_parallel = bool(config.sequence_parallel)
+                p.tensor_model_parallel = False
+
+        def forward(self, x):
+            bias = None if self.skip_bias_add else self.bias
+            out = layers.linear_with_grad_accumulation_and_async_allreduce(
+                x, self.weight, bias, gradient_accumulation_fusion=self.config.gradient_accumulation_fusion,
+                allreduce_dgrad=False, sequence_parallel=False)
+            return out, (self.bias if self.skip_bias_add else None)
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            """Replicated across TP and DP, as TE's TELinear in duplicated mode."""
+            state_dict = self.state_dict(prefix="", keep_vars=True)
+            dp_cp = (metadata or {}).get("dp_cp_group")
+            groups = {} if dp_cp is None else {"dp_cp_group": dp_cp, "tp_group": _tp_group()}
+            return make_sharded_tensors_for_checkpoint(state_dict, prefix, None, sharded_offsets,
+                                                       **groups)
+
+        def set_extra_state(self, state):
+            """TE keeps fp8 metadata here; there is none (as Megatron's parallel linears)."""
+
+        def get_extra_state(self):
+            return None
+
+    return AdaptDuplicatedLinear
+
+
+def _tp_group():
+    from megatron.core import parallel_state
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def core_attention_class():
+    """TEDotProductAttention's constructor on Megatron's DotProductAttention (whose forward
+    patches/attention puts on the backend's attention op)."""
+    if "core_attention" not in _classes:
+        _classes["core_attention"] = _build_core_attention()
+    return _classes["core_attention"]
+
+
+def _build_core_attention():
+    import math
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class AdaptDotProductAttention(DotProductAttention):
+        """Megatron's DotProductAttention taking TEDotProductAttention's arguments: `k_channels`
+        (the query / key head dim) and `v_channels` (the value head dim) may differ from
+        `config.kv_channels` and from each other, as multi-latent attention asks (q/k head dim
+        qk_head_dim + qk_pos_emb_head_dim, v head dim v_head_dim). The output is
+        [sq, b, heads_per_partition * v_channels]. `num_splits` (flash-attention's split-KV count
+        for decoding) only changes how a kernel partitions its work, not the result."""
+
+        def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                     attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None,
+                     num_splits=None, cp_comm_type=None, pg_collection=None):
+            super().__init__(config, layer_number, attn_mask_type, attention_type,
+                             attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+                             cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+            k = k_channels if k_channels is not None else config.kv_channels
+            v = v_channels if v_channels is not None else config.kv_channels
+            self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v = k, v
+            if k != config.kv_channels:
+                self.hidden_size_per_attention_head = k
+                if softmax_scale is None:   # as the parent: 1/sqrt(head dim), then layer scaling
+                    self.softmax_scale = 1.0 / math.sqrt(k)
+                    if config.apply_query_key_layer_scaling:
+                        self.softmax_scale /= max(1, layer_number)
+            self.hidden_size_per_partition = v * self.num_attention_heads_per_partition
+
+    return AdaptDotProductAttention
 
 
 class BackendResidualNorm:
@@ -158,6 +291,39 @@ def build_te_norm(backend, original):
     return BackendNorm
 
 
+def build_clip_vit_init(backend, original):
+    """CLIPViTModel's `ln_pre_impl` / `ln_post_impl` default to clip_vit_model's NORM_IMPL, read
+    when the module is imported: TENorm with TE, else torch.nn.LayerNorm, which build_module calls
+    with TENorm's arguments (`config=`: a TypeError). The same __init__ (same code and closure)
+    whose default is the backend norm, with TENorm's constructor. The module global keeps
+    torch.nn.LayerNorm: replacing it would rebind torch's class wherever Megatron holds it."""
+    import types
+
+    _require_no_te(None)
+    defaults = original.__defaults__ or ()
+    if not any(d is torch.nn.LayerNorm for d in defaults):
+        raise SkipPatch("CLIPViTModel's norm defaults are not torch.nn.LayerNorm here")
+    new = types.FunctionType(original.__code__, original.__globals__, original.__name__,
+                             tuple(BackendNorm if d is torch.nn.LayerNorm else d for d in defaults),
+                             original.__closure__)
+    new.__kwdefaults__ = original.__kwdefaults__
+    for attr in ("__qualname__", "__module__", "__doc__", "__annotations__"):
+        setattr(new, attr, getattr(original, attr))
+    new.__dict__.update(original.__dict__)
+    return new
+
+
+def build_mla_te_linear(backend, original):
+    """multi_latent_attention asks `linear_q_down_proj in [TELinear]` to pass
+    parallel_mode="duplicated" (and no TP group). Without TE its TELinear is None (core_v0.17+),
+    so the provider's duplicated linear would be refused as "Unsupported linear_q_down_proj", or
+    (0.15-0.16, whose extension module subclasses a MagicMock standing in for TE) a MagicMock,
+    which MLA's `isinstance(linear_proj, TELinear)` rejects with a TypeError; there every alias of
+    that stand-in is rebound too, so calling "TELinear" builds a real module or refuses clearly."""
+    _require_no_te(None)
+    return duplicated_linear_class()
+
+
 def _provider_specs(module, optional=False):
     """One spec per release range: the provider's `layer_norm` signature changed in core_v0.17."""
     return [PatchSpec(f"{module}:TESpecProvider", area="layer_specs", build=build_provider,
@@ -173,4 +339,8 @@ SPECS = [
     *_provider_specs("megatron.core.models.gpt.moe_module_specs"),
     *_provider_specs("megatron.core.transformer.multi_token_prediction"),
     *_provider_specs("megatron.core.models.gpt.experimental_attention_variant_module_specs", optional=True),
+    PatchSpec("megatron.core.transformer.multi_latent_attention:TELinear", area="layer_specs",
+              build=build_mla_te_linear),
+    PatchSpec("megatron.core.models.vision.clip_vit_model:CLIPViTModel.__init__", area="layer_specs",
+              build=build_clip_vit_init),
 ]

@@ -449,7 +449,8 @@ def test_a_megatron_lm_checkout_of_another_release_line_is_named_as_a_mismatch(t
 def test_every_backend_serves_exactly_the_ops_of_the_contract():
     """Each backend's op table names exactly the ops of megatron_adapt.ops.OPS, none missing and
     none extra, and every entry loads. cuda alone leaves out the RNG state ops: Megatron's own
-    CUDA RNG serves them there (the rng patch applies on cpu and npu only)."""
+    CUDA RNG serves them there (the rng patch applies on cpu and npu only), and rope_cos_sin:
+    Megatron's own Triton kernel serves MLA's fused RoPE there."""
     import importlib
 
     from megatron_adapt.backends import NAMES
@@ -457,7 +458,7 @@ def test_every_backend_serves_exactly_the_ops_of_the_contract():
     from megatron_adapt.patches import rng
 
     rng_ops = {"rng_get_state", "rng_set_state"}
-    left_out = {"cuda": rng_ops}
+    left_out = {"cuda": rng_ops | {"rope_cos_sin"}}   # Megatron's own Triton MLA RoPE serves on cuda
     for name in NAMES:
         backend = importlib.import_module(f"megatron_adapt.backends.{name}").BACKEND
         expected = set(OPS) - left_out.get(name, set())
@@ -466,3 +467,18 @@ def test_every_backend_serves_exactly_the_ops_of_the_contract():
             assert callable(backend.op(op)), (name, op)
     rng_specs = [s for s in rng.SPECS if s.qualname.endswith("_cuda_rng_state")]
     assert len(rng_specs) == 2 and all("cuda" not in s.backends for s in rng_specs), rng_specs
+
+
+def test_cpu_device_layer_maps_a_device_index_to_the_cpu():
+    """`torch.device(torch.cuda.current_device())` (core_v0.16's YaRN RoPE opens it as a device
+    context) means GPU N; on a CPU build it raised "Cannot access accelerator device"."""
+    proc = run_python(textwrap.dedent("""
+        import torch, megatron_adapt
+        megatron_adapt.apply("cpu", quiet=True)
+        with torch.device(torch.cuda.current_device()):
+            x = torch.ones(2)
+        assert x.device.type == "cpu" and torch.device("cpu").type == "cpu", x.device
+        megatron_adapt.revert()
+        print("OK")
+        """), env={"MEGATRON_ADAPT_AUTO": "0"})
+    assert proc.stdout.strip().endswith("OK"), proc.stdout

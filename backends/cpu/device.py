@@ -46,6 +46,7 @@ def _type_name(t: torch.Tensor) -> str:
 
 
 _TO = torch.Tensor.to
+_CPU = torch.device("cpu")
 _CUDA = torch.Tensor.cuda
 _TYPE = torch.Tensor.type
 _PASSTHROUGH = {torch.Tensor.pin_memory, torch.Tensor.record_stream}
@@ -58,6 +59,8 @@ class CudaOnCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is _CUDA:
             return args[0]
+        if func is torch.device and len(args) == 1 and isinstance(args[0], int) and not kwargs:
+            return _CPU   # torch.device(torch.cuda.current_device()): an index means the GPU
         if func in _PASSTHROUGH:
             return args[0] if func is torch.Tensor.pin_memory else None
         if func is _TYPE:

@@ -13,8 +13,10 @@ def check():
             "Use MEGATRON_ADAPT_BACKEND=cpu or auto.")
 
 
-# Every op has a kernel here; Megatron's own CUDA RNG needs no rng ops.
-OPS = {op: path for op, path in STANDARD_LAYOUT.items() if not op.startswith("rng_")}
+# Every op has a kernel here; Megatron's own CUDA RNG needs no rng ops, and Megatron's own Triton
+# kernel serves multi-latent attention's fused YaRN RoPE (rope_cos_sin).
+OPS = {op: path for op, path in STANDARD_LAYOUT.items()
+       if not op.startswith("rng_") and op != "rope_cos_sin"}
 
 BACKEND = Backend(name="cuda", ops=OPS, package=__name__, check=check,
                   describe=lambda: "Triton and PyTorch fused kernels on NVIDIA GPUs")

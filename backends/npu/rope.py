@@ -77,3 +77,13 @@ def rope(t, freqs, interleaved=False, mscale=1.0):
     if mscale != 1.0:
         out = out * mscale
     return out if r == t.size(-1) else torch.cat((out, t[..., r:]), dim=-1)
+
+
+COS_SIN_FALLBACK = ("npu_rotary_mul documents r1 / r2 in [-1, 1], and these cos / sin carry YaRN's "
+                    "mscale, unknown here without a device sync")
+
+
+def rope_cos_sin(t, cos, sin):
+    """Multi-latent attention's fused YaRN RoPE: the reference (torch ops on the NPU), reported."""
+    report.fell_back("rope_cos_sin", FALLBACK, COS_SIN_FALLBACK)
+    return reference.rope_cos_sin(t, cos, sin)

@@ -437,6 +437,94 @@ def _():
     return out
 
 
+def _mla_reference(attn, x, config, causal):
+    """Multi-latent attention in fp32 from the module's weights, written out: RMSNorm'd low-rank
+    q / kv projections, MLA's interleaved YaRN RoPE on the positional channels (shared by all
+    heads for k), causal softmax attention with head dims q/k != v, the output projection."""
+    p = dict(attn.named_parameters())
+    s, b, _ = x.shape
+    n, dq, dp, dv = (config.num_attention_heads, config.qk_head_dim, config.qk_pos_emb_head_dim,
+                     config.v_head_dim)
+    eps = config.layernorm_epsilon
+
+    def rms(t, w):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    q = rms(x @ p["linear_q_down_proj.weight"].t(), p["linear_q_up_proj.layer_norm_weight"])
+    q = (q @ p["linear_q_up_proj.weight"].t()).view(s, b, n, dq + dp)
+    kv_c, k_pe = (x @ p["linear_kv_down_proj.weight"].t()).split([config.kv_lora_rank, dp], -1)
+    kv = rms(kv_c, p["linear_kv_up_proj.layer_norm_weight"]) @ p["linear_kv_up_proj.weight"].t()
+    kv = kv.view(s, b, n, dq + dv)
+    emb, mscale = attn.rotary_pos_emb(s)
+    cos, sin = emb.cos() * mscale, emb.sin() * mscale            # [s, 1, 1, dp]
+
+    def rope(t):
+        t = torch.cat((t[..., 0::2], t[..., 1::2]), -1)
+        t1, t2 = t.chunk(2, -1)
+        return t * cos + torch.cat((-t2, t1), -1) * sin
+
+    q_nope, q_pe = q.split([dq, dp], -1)
+    k_nope, v = kv.split([dq, dv], -1)
+    query = torch.cat((q_nope, rope(q_pe)), -1)
+    key = torch.cat((k_nope, rope(k_pe.unsqueeze(2)).expand(s, b, n, dp)), -1)
+    scores = torch.einsum("sbnd,tbnd->bnst", query, key) * attn.softmax_scale
+    scores = scores.masked_fill(causal, float("-inf"))
+    ctx = torch.einsum("bnst,tbnd->sbnd", scores.softmax(-1), v).reshape(s, b, n * dv)
+    return ctx @ p["linear_proj.weight"].t() + p["linear_proj.bias"]
+
+
+@check("mla")
+def _():
+    """Multi-latent attention from Megatron's TE layer spec: the provider's duplicated linear
+    (q / kv down projections), fused norm + linear (q / kv layernorms), core attention with
+    k_channels != v_channels, and MLA's RoPE (unfused: the backend rope op; fused: rope_cos_sin),
+    forward and backward against _mla_reference."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    out = {}
+    for fusion in (False, True):
+        torch.manual_seed(0)
+        model_parallel_cuda_manual_seed(0)
+        config = MLATransformerConfig(
+            num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+            q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=6,
+            qk_layernorm=True, apply_rope_fusion=fusion, rope_type="yarn", rotary_scaling_factor=4.0,
+            original_max_position_embeddings=8, mscale=1.0, mscale_all_dim=0.7)
+        spec = get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True, qk_layernorm=True)
+        model = GPTModel(config, spec, vocab_size=64, max_sequence_length=16)
+        attn = model.decoder.layers[0].self_attention
+        s, b = 12, 2
+        x = torch.randn(s, b, 32, requires_grad=True)
+        causal = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
+        before = {op: counted(op) for op in ("attention", "rope", "rope_cos_sin")}
+        y, bias = attn(x, causal)
+        y = y + bias
+        g = torch.randn_like(y)
+        params = [p for _, p in attn.named_parameters()]
+        grads = torch.autograd.grad(y, [x, *params], g)
+        y_ref = _mla_reference(attn, x, config, causal)
+        grads_ref = torch.autograd.grad(y_ref, [x, *params], g)
+        core = attn.core_attention
+        out[f"fusion={fusion}"] = {
+            "types": {n: type(getattr(attn, n)).__name__ for n in (
+                "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+                "core_attention", "q_layernorm", "kv_layernorm")},
+            "core_head_dims": [core.hidden_size_per_attention_head_k, core.hidden_size_per_attention_head_v,
+                               core.hidden_size_per_partition],
+            "keys": sorted(k.split("self_attention.")[1] for k in model.state_dict()
+                           if "self_attention." in k),
+            "down_proj_attrs": [(p.allreduce, p.tensor_model_parallel, p.sequence_parallel)
+                                for p in attn.linear_kv_down_proj.parameters()],
+            "calls": {op: counted(op) - n for op, n in before.items()},
+            "max_err": float((y - y_ref).abs().max()),
+            "grad_max_err": max(float((a - r).abs().max()) for a, r in zip(grads, grads_ref)),
+            "mscale_not_one": abs(attn.rotary_pos_emb(s)[1] - 1.0) > 1e-3,
+        }
+    return out
+
+
 def _expert_weights(experts):
     """Functions giving the experts' fc1 / fc2 weights (or grads) as [E, in, out]: the legacy
     GroupedMLP's weight1 / weight2 (0.15-0.16), or the grouped linears' weight{i} [out, in] (0.17+)."""

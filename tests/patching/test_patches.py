@@ -297,6 +297,46 @@ class TestLayerSpecs(PatchContract):
             assert "residual_norm" not in res, res
 
 
+def test_multi_latent_attention_from_the_te_spec_matches_an_fp32_reference():
+    """MLA (DeepSeek-V3 style) from Megatron's TE layer spec without TE: modules with TE's names
+    and arguments, forward and backward against MLA written out in fp32, with and without
+    --rope-fusion (Megatron's Triton kernel there; the backend's rope_cos_sin op here)."""
+    res = consumer("mla")
+    for fusion in ("False", "True"):
+        r = res[f"fusion={fusion}"]
+        assert r["types"] == {"linear_q_down_proj": "AdaptDuplicatedLinear",
+                              "linear_kv_down_proj": "AdaptDuplicatedLinear",
+                              "linear_q_up_proj": "AdaptLayerNormColumnParallelLinear",
+                              "linear_kv_up_proj": "AdaptLayerNormColumnParallelLinear",
+                              "core_attention": "AdaptDotProductAttention",
+                              "q_layernorm": "IdentityOp", "kv_layernorm": "IdentityOp"}, r["types"]
+        assert r["core_head_dims"] == [16, 6, 4 * 6], r   # q/k: qk + rope dims; v: v_head_dim
+        assert {"linear_q_down_proj.weight", "linear_q_down_proj._extra_state",
+                "linear_kv_down_proj.weight", "linear_q_up_proj.layer_norm_weight",
+                "linear_kv_up_proj.layer_norm_weight", "linear_proj.weight"} <= set(r["keys"]), r["keys"]
+        assert r["down_proj_attrs"] == [[True, False, False]], r   # replicated on TP ranks, as TE
+        assert r["mscale_not_one"], r   # YaRN's mscale is exercised
+        assert r["max_err"] < 1e-5 and r["grad_max_err"] < 1e-5, r
+        assert r["calls"]["attention"] == 1, r
+        rope_op = "rope_cos_sin" if fusion == "True" else "rope"
+        assert r["calls"][rope_op] == 2 and sum(r["calls"].values()) == 3, r   # q and k
+
+
+def test_fused_mla_rope_matches_megatrons_triton_kernels_under_the_interpreter():
+    """--rope-fusion with MLA on cpu / npu: the backend's rope_cos_sin op in place of Megatron's
+    Triton kernels, which TRITON_INTERPRET=1 runs on the CPU as the reference (forward and
+    backward; sbhd, packed thd, thd under context parallelism on either rank)."""
+    pytest.importorskip("triton")
+    proc = run_python([os.path.join(os.path.dirname(CONSUMERS), "mla_rope_check.py")], timeout=900)
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("MLA-ROPE-JSON:"))
+    res = json.loads(line[len("MLA-ROPE-JSON:"):])
+    assert set(res) == {"sbhd", "thd cp_rank=0/1", "thd cp_rank=0/2", "thd cp_rank=1/2"}, res
+    for case, r in res.items():
+        assert r["max_err"] < 1e-5, (case, r)
+        if "other_rank_err" in r:
+            assert r["other_rank_err"] > 0.1, (case, r)   # positions matter: the check can fail
+
+
 class TestMoE(PatchContract):
     area = "moe"
 
