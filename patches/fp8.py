@@ -9,7 +9,9 @@ in bf16 and say nothing. This area makes that impossible:
   backend: a backend whose `fp8_unavailable` op gives a reason (cpu, npu, a CUDA GPU before sm89)
   refuses `--fp8-format` naming the flag, the backend and that reason; `--fp4-format` is refused on
   every backend; so are the fp8 features no linear here serves (`--fp8-recipe blockwise|mxfp8|
-  custom`, `--fp8-param-gather`, fp8 attention, fp8 MoE experts, `--transformer-impl local`).
+  custom`, `--fp8-param-gather`, fp8 attention, fp8 MoE experts, `--transformer-impl local`,
+  `--cuda-graph-impl local` (its fp8 handling is TE's FP8GlobalStateManager) and
+  `--recompute-granularity full` (Megatron recomputes fp8 layers with TE's checkpoint).
 * The context. `megatron.core.fp8_utils:get_fp8_context` is replaced: Megatron's own callers
   (the transformer block per layer, or once around the block for `delayed`) keep deciding where
   fp8 applies, including `--first-last-layers-bf16` through Megatron's `is_first_last_bf16_layer`;
@@ -82,6 +84,14 @@ def fp8_refusal(backend, settings: dict) -> str | None:
     if settings.get("num_experts"):
         return (f"{flag} --num-experts: {where} has no fp8 grouped GEMM for the MoE experts yet "
                 f"(dense linears only). Train the MoE model without --fp8-format.")
+    if settings.get("cuda_graph_impl") == "local" or settings.get("enable_cuda_graph"):
+        return (f"{flag} --cuda-graph-impl local: Megatron's local CUDA graphs handle fp8 through "
+                f"Transformer Engine's FP8GlobalStateManager (they fail without TE), so fp8 layers are "
+                f"not captured here yet. Run fp8 eagerly (no --cuda-graph-impl) or bf16 with graphs.")
+    if settings.get("recompute_granularity") == "full":
+        return (f"{flag} --recompute-granularity full: Megatron recomputes fp8 layers through "
+                f"Transformer Engine's checkpoint (te_checkpoint), absent here. Use "
+                f"--recompute-granularity selective, or no recomputation.")
     if settings.get("transformer_impl") == "local":
         return (f"{flag} --transformer-impl local: megatron-adapt serves fp8 in the linears of the "
                 f"transformer_engine layer spec (Megatron's default); the local spec's linears would "
@@ -120,7 +130,10 @@ def build_config_check(backend, original):
                     "fp8_param_gather": getattr(c, "fp8_param", False), "fp4": getattr(c, "fp4", None),
                     "fp8_dot_product_attention": getattr(c, "fp8_dot_product_attention", False),
                     "fp8_multi_head_attention": getattr(c, "fp8_multi_head_attention", False),
-                    "num_experts": getattr(c, "num_moe_experts", None)}
+                    "num_experts": getattr(c, "num_moe_experts", None),
+                    "cuda_graph_impl": getattr(c, "cuda_graph_impl", None),
+                    "recompute_granularity": getattr(c, "recompute_granularity", None),
+                    "enable_cuda_graph": getattr(c, "enable_cuda_graph", False)}
         why = fp8_refusal(backend, settings)
         if why is not None:
             _refuse(f"{type(c).__name__}: {why}")
