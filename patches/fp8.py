@@ -239,7 +239,9 @@ def fp8_variant(base, backend):
             super().__init__(*args, config=config, **kwargs)
             from megatron_adapt.backends.fp8_scaling import Fp8Scaling
 
-            self.fp8_scaling = Fp8Scaling(recipe_from_config(config), device=self.weight.device)
+            weight = getattr(self, "weight", None)   # None with skip_weight_param_allocation
+            self.fp8_scaling = Fp8Scaling(recipe_from_config(config),
+                                          device=weight.device if weight is not None else None)
             self._fp8_op = backend.op("fp8_linear")
 
         def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (Megatron's names)

@@ -1,4 +1,4 @@
-"""Tier 1, area fp8: the patch mechanics (PatchContract), the refusal on cpu, and fp8 reached
+"""Tier 1, area fp8 (its PatchContract: TestFp8 in test_patches.py): the refusal on cpu, and fp8 reached
 through Megatron's real path (GPTModel from the TE layer spec, Megatron's get_fp8_context callers,
 --first-last-layers-bf16, gradient-accumulation fusion, _extra_state). Each in a fresh interpreter
 (tests/patching/fp8_worker.py says how the cpu backend borrows the cuda fp8 op for `train`)."""
@@ -10,7 +10,6 @@ from functools import lru_cache
 import pytest
 
 from adapt_testutil import run_python
-from contract import PatchContract
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp8_worker.py")
 
@@ -21,8 +20,8 @@ def worker(scenario):
     return json.loads(next(l for l in out.splitlines() if l.startswith("PROBE-JSON:"))[len("PROBE-JSON:"):])
 
 
-class TestFp8(PatchContract):
-    area = "fp8"
+class TestFp8ThroughMegatron:
+    """(The area's PatchContract subclass is TestFp8 in test_patches.py.)"""
 
     def test_cpu_refuses_fp8_and_fp4_configs_naming_flag_backend_reason(self):
         res = worker("refusal")
