@@ -27,3 +27,8 @@ class PatchError(MegatronAdaptError):
 
 class ConfigError(MegatronAdaptError, ValueError):
     """A megatron-adapt setting (environment variable or argument) with a value it does not take."""
+
+
+class UnsupportedFeatureError(MegatronAdaptError, ValueError):
+    """A Megatron feature that the selected backend (or megatron-adapt) cannot serve was asked for:
+    refused at start, naming the flag, the backend and the reason (never a silent fallback)."""

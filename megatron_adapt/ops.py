@@ -96,6 +96,16 @@ OPS: dict[str, Op] = {
         ".moe:moe_router_scores",
         "(logits [T, E], topk, score_function) -> (routing_map bool [T, E], scores [T, E] fp32)"
         " for the load-balancing loss"),
+    "fp8_unavailable": Op(
+        ".fp8:fp8_unavailable",
+        "() -> None when this backend and device run fp8 GEMMs, else the reason (str)"),
+    "fp8_linear": Op(
+        ".fp8:fp8_linear",
+        "(x [..., in], weight [out, in], bias [out] | None, scaling: backends.fp8_scaling."
+        "Fp8Scaling, wgrad_sink: callable | None) -> y [..., out] x.dtype: forward, dgrad and "
+        "wgrad GEMMs in fp8 with scaling's format and recipe; wgrad_sink(dW fp32) returns the "
+        "weight's gradient (gradient-accumulation fusion), without it dW in weight.dtype. "
+        "Served only where fp8_unavailable() is None (cuda)"),
     "rng_get_state": Op(
         ".rng:get_state",
         '() -> state tensor of the generator Megatron calls "cuda"'),

@@ -133,6 +133,9 @@ def graph_plan(args, backend_name: str) -> str | None:
     if getattr(args, "num_experts", None):
         return ("MoE (--num-experts): the token dispatcher's shapes change every step, so whole-layer "
                 "graphs cannot capture it")
+    if getattr(args, "fp8", None):
+        return ("--fp8-format: Megatron's local CUDA graphs handle fp8 through Transformer Engine's "
+                "FP8GlobalStateManager, which is absent (docs/fp8.md)")
     if getattr(args, "cpu_offloading", False) or getattr(args, "cpu_offloading_num_layers", 0):
         return "--cpu-offloading moves activations to the host inside the layer"
     if getattr(args, "inference_dynamic_batching", False) or getattr(args, "enable_cuda_graph", False) \

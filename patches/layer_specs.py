@@ -14,7 +14,8 @@ state-dict keys of a TE-built one (`linear_qkv.layer_norm_weight`, ...):
 - norm fused into the column-parallel linear -> `AdaptLayerNormColumnParallelLinear` (the
   backend's norm op, then Megatron's ColumnParallelLinear);
 - linears -> Megatron's ColumnParallelLinear / RowParallelLinear (gradient-accumulation fusion
-  through patches/grad_accum_fusion);
+  through patches/grad_accum_fusion); with config.fp8 set, subclasses that run fp8 GEMMs inside
+  Megatron's fp8 context (patches/fp8);
 - core attention -> Megatron's DotProductAttention taking TEDotProductAttention's k_channels /
   v_channels (multi-latent attention), whose forward patches/attention puts on the backend's fused
   attention op (this is what `--attention-backend auto` gets);
@@ -96,14 +97,26 @@ def build_provider(backend, original):
 
 def _provider_class(backend):
     from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    norm_linear = build_norm_linear_class(backend)
+    from megatron_adapt.patches.fp8 import fp8_variant
+
+    # Built with config.fp8 set, each linear runs fp8 GEMMs inside Megatron's fp8 context
+    # (patches/fp8); otherwise it is Megatron's own class.
+    norm_linear = fp8_variant(build_norm_linear_class(backend), backend)
+    column, row = fp8_variant(ColumnParallelLinear, backend), fp8_variant(RowParallelLinear, backend)
 
     class AdaptSpecProvider(LocalSpecProvider):
         """The TE spec's modules on Megatron's local layers and the backend's ops."""
 
         def fuse_layernorm_and_linear(self) -> bool:
             return True
+
+        def column_parallel_linear(self):
+            return column
+
+        def row_parallel_linear(self):
+            return row
 
         def column_parallel_layer_norm_linear(self):
             return norm_linear

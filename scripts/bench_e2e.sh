@@ -11,6 +11,10 @@
 #               forward-backward of an iteration (every micro-batch) in one graph; Megatron refuses
 #               that scope unless its per-micro-batch NaN/Inf loss check (a host sync) is off.
 #   (e) stock_full_graph (not in the default RUNS): (a) with the same three flags.
+#   (f) adapt_fp8 (not in the default RUNS): (b) plus --fp8-format $FP8_FORMAT --fp8-recipe
+#               $FP8_RECIPE (fp8 linears without TE, docs/fp8.md). No graphs variant: Megatron's
+#               local CUDA graphs need TE for fp8 (megatron-adapt refuses the pair at start). No stock
+#               fp8 run: stock Megatron without TE ignores the fp8 flags (a silent bf16 run).
 # Per run also: the GPU's busy fraction (nvidia-smi dmon SM %, median over the steady samples) and
 # the host's CPU model (lscpu), since a step that waits on the host shows there.
 # Model (PRESET, default llama-0.95b): 0.95B llama-like (16 layers, hidden 2048, ffn 5632, 16 heads, seq 2048, micro-batch 4, global
@@ -28,6 +32,9 @@
 #      dropout on, the two runs draw different dropout masks -- Megatron's RNG tracker in (a), the
 #      fused attention kernel's own Philox stream in (b), as with TE -- so their curves part ways
 #      in the steep first iterations)
+#      FP8_RECIPE [tensorwise]: tensorwise | delayed, FP8_FORMAT [hybrid]: hybrid | e4m3, for the fp8 runs;
+#      FP8_ARGS [""]: more fp8 flags for them (e.g. "--fp8-amax-history-len 1024 --fp8-amax-compute-algo max")
+#      e.g. RUNS="adapt adapt_fp8" FP8_RECIPE=delayed scripts/bench_e2e.sh OUT
 set -euo pipefail
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1)}"
 OUTDIR=${1:?usage: scripts/bench_e2e.sh OUTDIR}; mkdir -p "$OUTDIR"
@@ -69,6 +76,8 @@ MODEL+=("${EXTRA[@]}")
 STOCK_FLAGS=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm
              --no-masked-softmax-fusion --no-gradient-accumulation-fusion)
 FULL_GRAPH=(--cuda-graph-impl local --cuda-graph-scope full_iteration --no-check-for-nan-in-loss-and-grad)
+read -r -a FP8_EXTRA <<< "${FP8_ARGS:-}"
+FP8=(--fp8-format "${FP8_FORMAT:-hybrid}" --fp8-recipe "${FP8_RECIPE:-tensorwise}" "${FP8_EXTRA[@]}")
 if command -v megatron-adapt-run >/dev/null; then ADAPT=(megatron-adapt-run); else ADAPT=(python3 -m megatron_adapt.launcher); fi
 TORCHRUN=(python3 -m torch.distributed.run --nproc-per-node 1 --master-port 29561)
 
@@ -110,6 +119,9 @@ for run in $RUNS; do
                 peak_smi "$OUTDIR/adapt_full_graph.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_full_graph_report.json" \
                     "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" \
                     "${FULL_GRAPH[@]}" ;;
+        adapt_fp8)
+                peak_smi "$OUTDIR/adapt_fp8.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_fp8_report.json" \
+                    "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" "${FP8[@]}" ;;
         stock_full_graph)
                 build_dataset_helpers
                 peak_smi "$OUTDIR/stock_full_graph.log" env MEGATRON_ADAPT_DISABLE=all \

@@ -419,6 +419,11 @@ class TestStartupReport(PatchContract):
         assert "megatron-adapt: backend=cpu" in proc.stderr and "applied" in proc.stderr, proc.stderr[-2000:]
 
 
+class TestFp8(PatchContract):
+    """Refusals and fp8 through GPTModel: tests/patching/test_fp8.py."""
+    area = "fp8"
+
+
 def test_every_patch_area_has_a_contract_subclass():
     from megatron_adapt.patches import AREAS
 

@@ -1,0 +1,215 @@
+"""fp8 linears: forward, dgrad and wgrad GEMMs in fp8 through `torch._scaled_mm` (cuBLASLt).
+
+`fp8_linear(x, weight, bias, scaling, wgrad_sink)` is an autograd function:
+- forward  y  = x @ W^T      e4m3 x e4m3, bf16/fp16 out, fast accumulation (as TE's fprop);
+- dgrad    dx = dy @ W       dy in e5m2 (`hybrid`) or e4m3, W e4m3, split accumulation;
+- wgrad    dW = dy^T @ x     the same operands, fp32 out (handed to `wgrad_sink`, e.g. Megatron's
+                             main_grad accumulation) or weight.dtype.
+Scales follow `scaling` (megatron_adapt.backends.fp8_scaling: tensorwise = current scaling,
+delayed = amax history). cuBLASLt wants A row-major and B column-major with every dimension a
+multiple of 16: the cast kernel writes each tensor once row-major and, where a backward GEMM needs
+it, once transposed (x^T and dy^T for wgrad, W^T for dgrad), so no GEMM operand is copied again.
+
+The cast (`quantize`) is one Triton kernel on CUDA tensors: saturate(x * scale) to fp8, the
+transposed copy, the amax (delayed: atomically into the history's current row) and 1/scale
+(tensorwise: the scale is computed in the kernel from the amax that one reduction pass found).
+On CPU tensors it is the same math in PyTorch (torch's CPU build has `_scaled_mm` for float8:
+the tests run this module's autograd function there).
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_adapt import report
+from megatron_adapt.backends.fp8_scaling import FP8_MAX, Fp8Scaling, current_scale
+
+from ._common import cdiv, interpreting
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the cuda backend needs Triton for its other kernels too
+    triton = None
+
+ALIGN = 16   # cuBLASLt fp8: every GEMM dimension a multiple of 16
+
+
+def fp8_unavailable() -> str | None:
+    """None if this process's CUDA device runs fp8 GEMMs, else why not."""
+    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        return f"torch {torch.__version__} has no torch._scaled_mm / float8 dtypes"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return (f"{torch.cuda.get_device_name()} is sm{major}{minor}; fp8 GEMMs (cuBLASLt through "
+                f"torch._scaled_mm) need sm89 (Ada) or sm90 (Hopper) and newer")
+    return None
+
+
+if triton is not None:
+    @triton.jit
+    def _cast_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M, N, stride_xm,
+                     FP8_MAX: tl.constexpr, CURRENT: tl.constexpr, TRANSPOSE: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr):
+        pm, pn = tl.program_id(0), tl.program_id(1)
+        rm = pm * BM + tl.arange(0, BM)
+        rn = pn * BN + tl.arange(0, BN)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        if CURRENT:   # tensorwise: scale from this tensor's amax (found by the pass before)
+            amax = tl.load(amax_ptr)
+            ok = (amax > 0.0) & (amax < float("inf"))
+            s = tl.where(ok, FP8_MAX / tl.where(ok, amax, 1.0), 1.0)
+        else:         # delayed: the state's scale; this tensor's amax into the history row
+            s = tl.load(scale_ptr)
+            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), 1), 0))
+        y = tl.minimum(tl.maximum(x * s, -FP8_MAX), FP8_MAX).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], y, mask=mask)
+        if TRANSPOSE:
+            tl.store(yt_ptr + rn[:, None] * M + rm[None, :], tl.trans(y), mask=tl.trans(mask))
+        if (pm == 0) & (pn == 0):
+            tl.store(scale_inv_ptr, 1.0 / s)
+
+
+def _cast_triton(x, dtype, transpose, scale, amax):
+    M, N = x.shape
+    y = torch.empty(M, N, dtype=dtype, device=x.device)
+    yt = torch.empty(N, M, dtype=dtype, device=x.device) if transpose else y
+    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    current = scale is None
+    BM, BN = (16, 16) if interpreting() else (64, 128)
+    _cast_kernel[(cdiv(M, BM), cdiv(N, BN))](
+        x, y, yt, amax if current else scale, amax, scale_inv, M, N, x.stride(0),
+        FP8_MAX=FP8_MAX[dtype], CURRENT=current, TRANSPOSE=transpose, BM=BM, BN=BN, num_warps=4)
+    return y, (yt if transpose else None), scale_inv
+
+
+def _cast_torch(x, dtype, transpose, scale, amax):
+    fp8_max = FP8_MAX[dtype]
+    xf = x.float()
+    if scale is None:
+        scale = current_scale(amax, fp8_max)
+    else:
+        amax.copy_(torch.maximum(amax, xf.abs().amax().reshape(amax.shape)))
+    y = (xf * scale).clamp_(-fp8_max, fp8_max).to(dtype)
+    return y, (y.t().contiguous() if transpose else None), scale.float().reciprocal().reshape(1)
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool, scaling: Fp8Scaling | None,
+             direction: str = "fwd", slot: int = 0):
+    """x [M, N] (row-major rows) -> (x8 [M, N], x8^T [N, M] contiguous or None, scale_inv [1] fp32).
+
+    scaling None or tensorwise: current scaling (amax of x now); delayed: scaling's scale for
+    (direction, slot), this amax recorded into its history row."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    delayed = scaling is not None and scaling.recipe.recipe == "delayed"
+    if delayed:
+        scale = scaling.scale[direction][slot:slot + 1]
+        amax = scaling.amax_history[direction][0, slot:slot + 1]
+    else:
+        scale = None
+        amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).reshape(1)
+    if triton is not None and (x.is_cuda or (interpreting() and x.device.type == "cpu")):
+        return _cast_triton(x, dtype, transpose, scale, amax)
+    return _cast_torch(x, dtype, transpose, scale, amax)
+
+
+def _gemm(a, b, scale_a, scale_b, out_dtype, fast_accum):
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum and a.is_cuda)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, scaling, wgrad_sink):
+        r = scaling.recipe
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        fp8_wgrad = need_wgrad and r.wgrad
+        x8, x8t, sx_inv = quantize(x2, r.fwd_dtype, fp8_wgrad, scaling, "fwd", 0)
+        w8, w8t, sw_inv = quantize(weight, r.fwd_dtype, need_dgrad, scaling, "fwd", 1)
+        y = _gemm(x8, w8.t(), sx_inv, sw_inv, x.dtype, True)
+        if bias is not None:
+            y = y + bias
+        if r.recipe == "delayed":
+            scaling.update("fwd")
+        ctx.save_for_backward(x8t if fp8_wgrad else (x2 if need_wgrad else None), w8t, sx_inv, sw_inv)
+        ctx.scaling, ctx.sink, ctx.fp8_wgrad, ctx.use_bias = scaling, wgrad_sink, fp8_wgrad, bias is not None
+        ctx.x_shape, ctx.w_dtype = shape, weight.dtype
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        xs, w8t, sx_inv, sw_inv = ctx.saved_tensors
+        scaling, r = ctx.scaling, ctx.scaling.recipe
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dy8, dy8t, sg_inv = quantize(dy2, r.bwd_dtype, ctx.fp8_wgrad, scaling, "bwd", 0)
+        dx = dw = db = None
+        if need_dgrad:
+            dx = _gemm(dy8, w8t.t(), sg_inv, sw_inv, dy.dtype, False).reshape(ctx.x_shape)
+        if need_wgrad:
+            out_dtype = torch.float32 if ctx.sink is not None else ctx.w_dtype
+            if ctx.fp8_wgrad:
+                dw = _gemm(dy8t, xs.t(), sg_inv, sx_inv, out_dtype, False)
+            else:
+                dw = torch.matmul(dy2.t(), xs.to(dy2.dtype)).to(out_dtype)
+            if ctx.sink is not None:
+                dw = ctx.sink(dw)
+        if ctx.use_bias:
+            db = dy2.sum(0)
+        if r.recipe == "delayed":
+            scaling.update("bwd")
+        return dx, dw, db, None, None
+
+
+def unsupported_shape(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why cuBLASLt's fp8 GEMM cannot take these operands, or None."""
+    tokens = x.numel() // x.shape[-1]
+    dims = {"tokens": tokens, "in_features": weight.shape[1], "out_features": weight.shape[0]}
+    odd = {k: v for k, v in dims.items() if v % ALIGN}
+    if odd:
+        return f"fp8 GEMM dimensions must be multiples of {ALIGN}: " + ", ".join(f"{k}={v}" for k, v in odd.items())
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"input dtype {x.dtype}"
+    return None
+
+
+def fp8_linear(x, weight, bias, scaling: Fp8Scaling, wgrad_sink=None):
+    """y = x @ weight^T (+ bias) with fp8 GEMMs forward and backward; see the module doc."""
+    why = unsupported_shape(x, weight)
+    if why is not None:
+        report.fell_back("fp8_linear", f"{x.dtype} matmul (not fp8)", why)
+        return _HighPrecisionLinear.apply(x, weight, bias, wgrad_sink)
+    report.ran("fp8_linear", f"{'cuda' if x.is_cuda else x.device.type}.scaled_mm"
+                             f"({scaling.recipe.format}, {scaling.recipe.recipe})")
+    return _Fp8Linear.apply(x, weight, bias, scaling, wgrad_sink)
+
+
+class _HighPrecisionLinear(torch.autograd.Function):
+    """The reported fallback for shapes cuBLASLt's fp8 GEMM cannot take: the same interface
+    (wgrad_sink included) in the input's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, wgrad_sink):
+        ctx.save_for_backward(x, weight)
+        ctx.sink, ctx.use_bias = wgrad_sink, bias is not None
+        y = torch.matmul(x, weight.t())
+        return y + bias if bias is not None else y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        dx = torch.matmul(dy, weight) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            if ctx.sink is not None:
+                dw = ctx.sink(torch.matmul(dy2.t(), x2).float())
+            else:
+                dw = torch.matmul(dy2.t(), x2).to(weight.dtype)
+        db = dy2.sum(0) if ctx.use_bias else None
+        return dx, dw, db, None

@@ -1,0 +1,303 @@
+"""Megatron's fp8 training (`--fp8-format`, `TransformerConfig(fp8=...)`) without Transformer Engine.
+
+Without TE, Megatron's `get_fp8_context` returns `nullcontext()`: `--fp8-format hybrid` would train
+in bf16 and say nothing. This area makes that impossible:
+
+* Refusal at start. `megatron.training.global_vars:set_global_variables` (Megatron-LM's start-up,
+  right after its arguments are parsed and validated, before distributed set-up) and
+  `TransformerConfig.__post_init__` (megatron-core users) check the fp8 / fp4 settings against the
+  backend: a backend whose `fp8_unavailable` op gives a reason (cpu, npu, a CUDA GPU before sm89)
+  refuses `--fp8-format` naming the flag, the backend and that reason; `--fp4-format` is refused on
+  every backend; so are the fp8 features no linear here serves (`--fp8-recipe blockwise|mxfp8|
+  custom`, `--fp8-param-gather`, fp8 attention, fp8 MoE experts, `--transformer-impl local`,
+  `--cuda-graph-impl local` (its fp8 handling is TE's FP8GlobalStateManager) and
+  `--recompute-granularity full` (Megatron recomputes fp8 layers with TE's checkpoint).
+* The context. `megatron.core.fp8_utils:get_fp8_context` is replaced: Megatron's own callers
+  (the transformer block per layer, or once around the block for `delayed`) keep deciding where
+  fp8 applies, including `--first-last-layers-bf16` through Megatron's `is_first_last_bf16_layer`;
+  the context they enter turns fp8 on for megatron-adapt's linears.
+* The linears. The TE layer spec's column-parallel, row-parallel and norm + column-parallel
+  linears (patches/layer_specs) are built, when `config.fp8` is set, as subclasses whose
+  `_forward_impl` runs the backend's `fp8_linear` op inside an fp8 context: tensor-parallel
+  communication through Megatron's own mappings (sequence-parallel all-gather / reduce-scatter,
+  dgrad all-reduce), gradient-accumulation fusion into `main_grad` with Megatron's
+  `grad_added_to_main_grad` protocol. Delayed-scaling state (amax histories, scales) is kept per
+  linear and saved in its `_extra_state`, as TE's modules keep theirs. With `config.fp8` unset the
+  provider builds Megatron's own classes, unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+from megatron_adapt import report
+from megatron_adapt.errors import UnsupportedFeatureError
+from megatron_adapt.spec import WRAP, PatchSpec, SkipPatch
+
+RECIPES_SERVED = ("tensorwise", "delayed")
+_FIX = "Train without it (--bf16), or on the cuda backend on an sm89+ (Ada, Hopper) GPU."
+
+
+def _te_installed() -> bool:
+    try:
+        from megatron.core.extensions import transformer_engine as te_ext
+    except Exception:   # noqa: BLE001 (an import error of the extension means no usable TE)
+        return False
+    return bool(getattr(te_ext, "HAVE_TE", False))
+
+
+def _value(v):
+    return getattr(v, "value", v)
+
+
+def fp8_refusal(backend, settings: dict) -> str | None:
+    """Why these fp8 / fp4 settings cannot run on `backend`, or None. `settings` uses Megatron's
+    argument names (its parsed arguments' namespace): fp8, fp8_recipe, fp8_param_gather, fp4, num_experts,
+    transformer_impl, fp8_dot_product_attention, fp8_multi_head_attention."""
+    where = f"the {backend.name} backend"
+    fp4 = settings.get("fp4")
+    if fp4:
+        return (f"--fp4-format {fp4}: {where} cannot run it: megatron-adapt serves no fp4 (NVFP4) "
+                f"GEMM on any backend (Megatron's fp4 is Transformer Engine's). Train without --fp4-format.")
+    fp8 = settings.get("fp8")
+    if not fp8:
+        return None
+    flag = f"--fp8-format {fp8}"
+    why = backend.op("fp8_unavailable")()
+    if why is not None:
+        return f"{flag}: {where} cannot run it: {why}. {_FIX}"
+    recipe = _value(settings.get("fp8_recipe") or "delayed")
+    if recipe not in RECIPES_SERVED:
+        return (f"{flag} --fp8-recipe {recipe}: {where} serves the tensorwise and delayed recipes "
+                f"only ({recipe} scaling needs Transformer Engine's block-scaled GEMMs, not wired here). "
+                f"Use --fp8-recipe tensorwise or delayed.")
+    if settings.get("fp8_param_gather"):
+        return (f"{flag} --fp8-param-gather: {where} keeps parameters in bf16 and casts them to fp8 "
+                f"per GEMM; fp8 parameters and their all-gather are Transformer Engine's. "
+                f"Drop --fp8-param-gather.")
+    for key, name in (("fp8_dot_product_attention", "--fp8-dot-product-attention"),
+                      ("fp8_multi_head_attention", "--fp8-multi-head-attention")):
+        if settings.get(key):
+            return f"{flag} {name}: {where} runs attention in bf16/fp16 (fp8 attention is TE's). Drop {name}."
+    if settings.get("num_experts"):
+        return (f"{flag} --num-experts: {where} has no fp8 grouped GEMM for the MoE experts yet "
+                f"(dense linears only). Train the MoE model without --fp8-format.")
+    if settings.get("cuda_graph_impl") == "local" or settings.get("enable_cuda_graph"):
+        return (f"{flag} --cuda-graph-impl local: Megatron's local CUDA graphs handle fp8 through "
+                f"Transformer Engine's FP8GlobalStateManager (they fail without TE), so fp8 layers are "
+                f"not captured here yet. Run fp8 eagerly (no --cuda-graph-impl) or bf16 with graphs.")
+    if settings.get("recompute_granularity") == "full":
+        return (f"{flag} --recompute-granularity full: Megatron recomputes fp8 layers through "
+                f"Transformer Engine's checkpoint (te_checkpoint), absent here. Use "
+                f"--recompute-granularity selective, or no recomputation.")
+    if settings.get("transformer_impl") == "local":
+        return (f"{flag} --transformer-impl local: megatron-adapt serves fp8 in the linears of the "
+                f"transformer_engine layer spec (Megatron's default); the local spec's linears would "
+                f"run in bf16. Use --transformer-impl transformer_engine.")
+    return None
+
+
+def _refuse(message: str):
+    if report._rank() == 0:
+        print(f"megatron-adapt: {message}", file=sys.stderr, flush=True)
+    raise UnsupportedFeatureError(message)
+
+
+# ---------------------------------------------------------------- refusal at start
+def build_args_check(backend, original):
+    def set_global_variables(wrapped, instance, args, kwargs):
+        ns = args[0] if args else kwargs.get("args")
+        if ns is not None and not _te_installed():
+            why = fp8_refusal(backend, vars(ns))
+            if why is not None:
+                _refuse(why)
+            if getattr(ns, "fp8", None):
+                report.ran("fp8.flags", f"{backend.name}: --fp8-format {ns.fp8} --fp8-recipe "
+                                        f"{_value(ns.fp8_recipe)} served by fp8_linear")
+        return wrapped(*args, **kwargs)
+    return set_global_variables
+
+
+def build_config_check(backend, original):
+    def __post_init__(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        if instance is None or _te_installed():
+            return result
+        c = instance
+        settings = {"fp8": getattr(c, "fp8", None), "fp8_recipe": getattr(c, "fp8_recipe", None),
+                    "fp8_param_gather": getattr(c, "fp8_param", False), "fp4": getattr(c, "fp4", None),
+                    "fp8_dot_product_attention": getattr(c, "fp8_dot_product_attention", False),
+                    "fp8_multi_head_attention": getattr(c, "fp8_multi_head_attention", False),
+                    "num_experts": getattr(c, "num_moe_experts", None),
+                    "cuda_graph_impl": getattr(c, "cuda_graph_impl", None),
+                    "recompute_granularity": getattr(c, "recompute_granularity", None),
+                    "enable_cuda_graph": getattr(c, "enable_cuda_graph", False)}
+        why = fp8_refusal(backend, settings)
+        if why is not None:
+            _refuse(f"{type(c).__name__}: {why}")
+        return result
+    return __post_init__
+
+
+# ---------------------------------------------------------------- the fp8 context
+_active: list = [None]       # the recipe of the innermost fp8 context, None outside / in bf16 layers
+
+
+def active_recipe():
+    return _active[-1]
+
+
+@contextlib.contextmanager
+def fp8_autocast(recipe):
+    """fp8 on for megatron-adapt's linears inside (what TE's fp8_autocast is to TE's modules)."""
+    _active.append(recipe)
+    try:
+        yield
+    finally:
+        _active.pop()
+
+
+def recipe_from_config(config):
+    from megatron_adapt.backends.fp8_scaling import Fp8Recipe
+
+    return Fp8Recipe(format=config.fp8, recipe=_value(config.fp8_recipe),
+                     margin=int(config.fp8_margin), interval=int(config.fp8_interval),
+                     amax_history_len=int(config.fp8_amax_history_len),
+                     amax_compute_algo=_value(config.fp8_amax_compute_algo),
+                     wgrad=bool(config.fp8_wgrad))
+
+
+def build_get_fp8_context(backend, original):
+    if _te_installed():
+        raise SkipPatch("Transformer Engine is installed: its fp8_autocast serves")
+
+    def get_fp8_context(config, layer_no: int = -1, is_init: bool = False):
+        """Megatron's get_fp8_context, served by megatron-adapt's fp8 linears (module doc)."""
+        from megatron.core import fp8_utils
+
+        need = config.fp8 if not is_init else getattr(config, "fp8_param", False)
+        if not need or fp8_utils.is_first_last_bf16_layer(config, layer_no):
+            return contextlib.nullcontext()
+        if is_init:
+            raise UnsupportedFeatureError("fp8 parameters (--fp8-param-gather, fp8_param=True) are "
+                                          f"Transformer Engine's; the {backend.name} backend keeps bf16 parameters")
+        recipe = recipe_from_config(config)
+        if config.first_last_layers_bf16 and recipe.recipe == "delayed":
+            raise ValueError("Delayed scaling does not support first / last layer in BF16.")  # Megatron's rule
+        return fp8_autocast(recipe)
+    return get_fp8_context
+
+
+# ---------------------------------------------------------------- the linears
+def _wgrad_sink(weight, fusion: bool):
+    """Megatron's gradient-accumulation fusion for an fp8 wgrad (fp32 dW): add into main_grad and
+    return what Megatron's LinearWithGradAccumulationAndAsyncCommunication returns as the weight's
+    gradient (a dummy where `grad_added_to_main_grad` is tracked, so the DDP hooks fire)."""
+    if not (fusion and hasattr(weight, "main_grad")):
+        return None
+    main_grad = weight.main_grad
+
+    def sink(dw):
+        weight.main_grad = main_grad
+        main_grad.add_(dw)
+        if not hasattr(weight, "grad_added_to_main_grad"):
+            return None
+        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+        weight.grad_added_to_main_grad = True
+        return make(main_grad.shape, dtype=weight.dtype, device=main_grad.device)
+    return sink
+
+
+_variants: dict = {}
+
+
+def fp8_variant(base, backend):
+    """`base` (a Megatron column- or row-parallel linear class) with fp8 GEMMs inside fp8 contexts.
+    Built with config.fp8 unset it is `base` itself (constructor returns a plain `base`)."""
+    key = (base, backend.name)
+    if key in _variants:
+        return _variants[key]
+
+    class Fp8Linear(base):
+        def __new__(cls, *args, **kwargs):
+            if not args and not kwargs:        # copy / unpickle: an object of this class
+                return super().__new__(cls)
+            config = kwargs.get("config")
+            if config is None or not getattr(config, "fp8", None):
+                plain = base.__new__(base)
+                plain.__init__(*args, **kwargs)
+                return plain
+            return super().__new__(cls)
+
+        def __init__(self, *args, config, **kwargs):
+            if "fp8_linear" not in backend.ops:
+                raise UnsupportedFeatureError(
+                    f"fp8={config.fp8!r}: the {backend.name} backend serves no fp8 GEMM: "
+                    f"{backend.op('fp8_unavailable')()}")
+            super().__init__(*args, config=config, **kwargs)
+            from megatron_adapt.backends.fp8_scaling import Fp8Scaling
+
+            weight = getattr(self, "weight", None)   # None with skip_weight_param_allocation
+            self.fp8_scaling = Fp8Scaling(recipe_from_config(config),
+                                          device=weight.device if weight is not None else None)
+            self._fp8_op = backend.op("fp8_linear")
+
+        def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (Megatron's names)
+            recipe = active_recipe()
+            if recipe is None:
+                return super()._forward_impl(input, weight, *args, **kwargs)
+            why = None
+            if args:
+                why = "positional arguments to _forward_impl"
+            elif kwargs.get("grad_output_buffer") is not None:
+                why = "deferred embedding wgrad (grad_output_buffer)"
+            elif kwargs.get("gtp_remat_size", 1) != 1:
+                why = f"gtp_remat_size={kwargs['gtp_remat_size']}"
+            elif hasattr(weight, "__fsdp_param__"):
+                why = "Megatron-FSDP parameters"
+            if why is not None:
+                report.fell_back("fp8_linear", "Megatron's bf16 linear", why)
+                return super()._forward_impl(input, weight, *args, **kwargs)
+            from megatron.core.tensor_parallel.mappings import (
+                copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region)
+
+            scaling = self.fp8_scaling
+            if scaling.recipe != recipe:
+                raise ValueError(f"fp8 context recipe {recipe} differs from the one this linear was "
+                                 f"built with ({scaling.recipe})")
+            if scaling.scale["fwd"].device != weight.device:
+                scaling.to(weight.device)
+            group = kwargs.get("tp_group")
+            x = input
+            if kwargs.get("sequence_parallel"):
+                x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
+            elif kwargs.get("allreduce_dgrad"):
+                x = copy_to_tensor_model_parallel_region(x, group=group)
+            sink = _wgrad_sink(weight, bool(kwargs.get("gradient_accumulation_fusion")))
+            return self._fp8_op(x, weight, kwargs.get("bias"), scaling, sink)
+
+        # TE's checkpoint layout: the scaling state in the module's _extra_state
+        def get_extra_state(self):
+            return self.fp8_scaling.to_bytes()
+
+        def set_extra_state(self, state):
+            from megatron_adapt.backends.fp8_scaling import Fp8Scaling
+
+            loaded = Fp8Scaling.from_bytes(state)
+            if loaded is not None:
+                self.fp8_scaling.load_state_dict(loaded)
+
+    Fp8Linear.__name__ = Fp8Linear.__qualname__ = f"Fp8{base.__name__}"
+    _variants[key] = Fp8Linear
+    return Fp8Linear
+
+
+SPECS = [
+    PatchSpec("megatron.training.global_vars:set_global_variables", area="fp8", mode=WRAP,
+              build=build_args_check, optional=True),
+    PatchSpec("megatron.core.transformer.transformer_config:TransformerConfig.__post_init__",
+              area="fp8", mode=WRAP, build=build_config_check),
+    PatchSpec("megatron.core.fp8_utils:get_fp8_context", area="fp8", build=build_get_fp8_context),
+]

@@ -1,0 +1,207 @@
+"""The cuda backend's fp8 linear (backends/cuda/fp8.py): cast kernel and GEMMs forward, dgrad, wgrad.
+
+Without a GPU: torch 2.13's CPU build has `torch._scaled_mm` for float8_e4m3fn / float8_e5m2 (with
+fp32 accumulation), so the op's autograd function runs here as it does on a GPU. Each GEMM is
+checked two ways: exactly (to accumulation order) against an explicit emulation (the same fp8
+tensors made by casting with torch's float8 dtypes, dequantized, an fp32 matmul), and against the
+fp32 product of the unquantized operands at fp8 tolerances.
+
+The Triton cast kernel runs under TRITON_INTERPRET=1. Triton 3.9's interpreter rounds fp32 -> fp8
+wrongly in two ways: where rounding carries into the exponent (7.84 -> 4.0 instead of 8.0 in e4m3)
+and at exact ties (-10.5 -> -11, half away from zero, where torch and the GPU round to even, -10).
+The kernel's output is checked equal to torch's cast everywhere else, and exactly those elements
+may differ (on a GPU every element must be equal). The linear tests use torch's cast
+on CPU for that reason; on a GPU they run the kernel.
+"""
+import pytest
+import torch
+
+from megatron_adapt import report
+from megatron_adapt.backends.cuda import fp8
+from megatron_adapt.backends.fp8_scaling import FP8_MAX, Fp8Recipe, Fp8Scaling
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def cast(x, scale, dtype):
+    """Emulated quantization: saturate(x * scale) in fp32, torch's round-to-nearest-even cast."""
+    m = FP8_MAX[dtype]
+    return (x.float() * scale).clamp(-m, m).to(dtype)
+
+
+def matches_torch_cast(got, ref, prescaled):
+    """Equal, or (interpreter only) one of its two known rounding errors: the carry (ref a power of
+    two rounded up to, got == ref / 2) and ties (prescaled exactly halfway between ref and got:
+    the interpreter rounds half away from zero, torch and the GPU's cvt.rn to even)."""
+    g, r = got.float(), ref.float()
+    equal = g == r
+    if DEV == "cpu" and fp8.interpreting():
+        pow2 = (r != 0) & (torch.frexp(r.abs()).mantissa == 0.5)
+        carry = pow2 & (g == r / 2) & (prescaled.abs() < r.abs())
+        tie = (prescaled - r).abs() == (prescaled - g).abs()
+        return bool((equal | carry | tie).all()), int((carry | tie).sum())
+    return bool(equal.all()), 0
+
+
+@pytest.fixture
+def torch_cast_on_cpu(monkeypatch):
+    """Linear tests: on CPU take torch's cast (exact), not the interpreted Triton kernel."""
+    if DEV == "cpu":
+        monkeypatch.setattr(fp8, "interpreting", lambda: False)
+
+
+@pytest.mark.skipif(fp8.triton is None, reason="Triton is not installed")
+@pytest.mark.parametrize("dtype", [E4, E5])
+@pytest.mark.parametrize("shape", [(48, 80), (37, 19), (16, 256)])
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
+def test_cast_kernel(dtype, shape, src):
+    torch.manual_seed(1)
+    x = (torch.randn(shape) * 5).to(src).to(DEV)
+    x[0, 0] = -37.5   # the amax
+    # tensorwise: amax found first, scale = fp8_max / amax in the kernel
+    amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).reshape(1)
+    y, yt, sinv = fp8._cast_triton(x, dtype, True, None, amax)
+    scale = FP8_MAX[dtype] / 37.5
+    ok, carries = matches_torch_cast(y, cast(x, scale, dtype), x.float() * scale)
+    assert ok, "tensorwise cast differs from torch's"
+    assert torch.equal(yt.float(), y.float().t())
+    torch.testing.assert_close(sinv, torch.tensor([1 / scale], device=DEV, dtype=torch.float32))
+    # delayed: the given scale (outliers saturate), amax max-accumulated into the slot
+    scale_t = torch.tensor([FP8_MAX[dtype] / 10.0], device=DEV)
+    slot = torch.tensor([3.0], device=DEV)
+    y, none, sinv = fp8._cast_triton(x, dtype, False, scale_t, slot)
+    assert none is None and slot.item() == 37.5
+    ok, _ = matches_torch_cast(y, cast(x, scale_t, dtype), x.float() * scale_t)
+    assert ok and y.float().abs().max().item() == FP8_MAX[dtype]   # saturated, never NaN
+    torch.testing.assert_close(sinv, 1 / scale_t)
+
+
+def _reference(x, w, dy, recipe: Fp8Recipe):
+    """Emulated fp8 GEMMs with current scaling (fp32 matmuls of dequantized fp8 tensors)."""
+    def q(t, dtype):
+        s = FP8_MAX[dtype] / t.float().abs().max()
+        return cast(t, s, dtype).float() / s
+    xq, wq, dyq = q(x, recipe.fwd_dtype), q(w, recipe.fwd_dtype), q(dy, recipe.bwd_dtype)
+    return xq @ wq.t(), dyq @ wq, dyq.t() @ xq
+
+
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_tensorwise_forward_dgrad_wgrad(torch_cast_on_cpu, fmt, dtype, bias):
+    torch.manual_seed(2)
+    T, K, N = 64, 96, 48
+    x = torch.randn(2, T // 2, K, device=DEV).to(dtype).requires_grad_()
+    w = (torch.randn(N, K, device=DEV) * 0.05).to(dtype).requires_grad_()
+    b = torch.randn(N, device=DEV).to(dtype).requires_grad_() if bias else None
+    dy = torch.randn(2, T // 2, N, device=DEV).to(dtype)
+    recipe = Fp8Recipe(fmt, "tensorwise")
+    y = fp8.fp8_linear(x, w, b, Fp8Scaling(recipe, DEV))
+    y.backward(dy)
+    assert y.dtype == dtype and x.grad.dtype == dtype and w.grad.dtype == dtype
+    x2, dy2 = x.detach().reshape(T, K), dy.reshape(T, N)
+    y_e, dx_e, dw_e = _reference(x2, w.detach(), dy2, recipe)
+    if bias:
+        y_e = y_e + b.detach().float()
+        torch.testing.assert_close(b.grad.float(), dy2.float().sum(0), rtol=1e-2, atol=1e-2)
+    # exact to accumulation order (and the output dtype's rounding) against the emulation
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.reshape(T, N).float(), y_e, **tol)
+    torch.testing.assert_close(x.grad.reshape(T, K).float(), dx_e, **tol)
+    torch.testing.assert_close(w.grad.float(), dw_e, **tol)
+    # and within fp8's error of the fp32 product: e4m3 ~2^-4 per element, e5m2 ~2^-3
+    xf, wf, dyf = x2.float(), w.detach().float(), dy2.float()
+
+    def rel(a, b):
+        return ((a.float() - b).norm() / b.norm()).item()
+    y_ref = xf @ wf.t() + (b.detach().float() if bias else 0)
+    assert rel(y.reshape(T, N), y_ref) < 0.05
+    grad_tol = 0.10 if fmt == "hybrid" else 0.05
+    assert 1e-4 < rel(x.grad.reshape(T, K), dyf @ wf) < grad_tol   # > 1e-4: really quantized
+    assert 1e-4 < rel(w.grad, dyf.t() @ xf) < grad_tol
+
+
+def test_e4m3_format_casts_gradients_to_e4m3_hybrid_to_e5m2(torch_cast_on_cpu, monkeypatch):
+    seen = []
+    real = fp8.quantize
+
+    def spy(x, dtype, *a, **k):
+        seen.append(dtype)
+        return real(x, dtype, *a, **k)
+    monkeypatch.setattr(fp8, "quantize", spy)
+    x = torch.randn(32, 32, device=DEV, requires_grad=True)
+    w = torch.randn(16, 32, device=DEV, requires_grad=True)
+    for fmt, grad_dtype in (("e4m3", E4), ("hybrid", E5)):
+        seen.clear()
+        fp8.fp8_linear(x, w, None, Fp8Scaling(Fp8Recipe(fmt), DEV)).sum().backward()
+        assert seen == [E4, E4, grad_dtype], (fmt, seen)
+
+
+def test_linear_delayed_uses_history_scales_and_updates_them(torch_cast_on_cpu):
+    """Step 1 casts with scale 1 (no history yet) and records amaxes; step 2 casts with
+    fp8_max / amax of step 1; the result equals the emulation with exactly those scales."""
+    torch.manual_seed(3)
+    x = (torch.randn(32, 64, device=DEV) * 0.01).requires_grad_()
+    w = (torch.randn(32, 64, device=DEV) * 0.02).requires_grad_()
+    dy = torch.randn(32, 32, device=DEV) * 1e-3
+    state = Fp8Scaling(Fp8Recipe("hybrid", "delayed", amax_history_len=2, amax_compute_algo="max"), DEV)
+    fp8.fp8_linear(x, w, None, state).backward(dy)
+    ax, aw, ag = x.detach().abs().max(), w.detach().abs().max(), dy.abs().max()
+    assert torch.equal(state.amax_history["fwd"][1], torch.stack([ax, aw]))
+    assert torch.equal(state.amax_history["bwd"][1], ag.reshape(1))
+    sx, sw, sg = 448.0 / ax, 448.0 / aw, 57344.0 / ag
+    torch.testing.assert_close(state.scale["fwd"], torch.stack([sx, sw]))
+    x.grad = w.grad = None
+    y = fp8.fp8_linear(x, w, None, state)
+    y.backward(dy)
+    xq = cast(x.detach(), sx, E4).float() / sx
+    wq = cast(w.detach(), sw, E4).float() / sw
+    dyq = cast(dy, sg, E5).float() / sg
+    torch.testing.assert_close(y, xq @ wq.t(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(x.grad, dyq @ wq, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(w.grad, dyq.t() @ xq, rtol=1e-5, atol=1e-9)
+
+
+def test_wgrad_sink_gets_fp32_and_its_return_is_the_grad(torch_cast_on_cpu):
+    x = torch.randn(32, 32, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(16, 32, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    main_grad = torch.ones(16, 32, device=DEV)
+    got = []
+
+    def sink(dw):
+        got.append(dw.dtype)
+        main_grad.add_(dw)
+        return torch.zeros_like(w)
+    fp8.fp8_linear(x, w, None, Fp8Scaling(Fp8Recipe(), DEV), sink).float().sum().backward()
+    assert got == [torch.float32] and torch.equal(w.grad, torch.zeros_like(w))
+    x.grad = None
+    w2 = w.detach().clone().requires_grad_()
+    fp8.fp8_linear(x, w2, None, Fp8Scaling(Fp8Recipe(), DEV)).float().sum().backward()
+    torch.testing.assert_close(main_grad - 1, w2.grad.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_fp8_wgrad_off_keeps_wgrad_in_high_precision(torch_cast_on_cpu):
+    torch.manual_seed(4)
+    x = torch.randn(32, 32, device=DEV, requires_grad=True)
+    w = torch.randn(16, 32, device=DEV, requires_grad=True)
+    dy = torch.randn(32, 16, device=DEV)
+    fp8.fp8_linear(x, w, None, Fp8Scaling(Fp8Recipe(wgrad=False), DEV)).backward(dy)
+    torch.testing.assert_close(w.grad, dy.t() @ x.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_odd_shapes_fall_back_reported_and_strict_raises(torch_cast_on_cpu, monkeypatch):
+    x = torch.randn(30, 32, device=DEV, requires_grad=True)
+    w = torch.randn(16, 32, device=DEV, requires_grad=True)
+    y = fp8.fp8_linear(x, w, None, Fp8Scaling(Fp8Recipe(), DEV))
+    torch.testing.assert_close(y, x.detach() @ w.detach().t())
+    fb = [o for o in report.as_dict()["ops"] if o["op"] == "fp8_linear" and o["fallback_reason"]]
+    assert fb and "multiples of 16: tokens=30" in fb[-1]["fallback_reason"], fb
+    monkeypatch.setattr(report, "_strict", True)
+    with pytest.raises(Exception, match="StrictFallback|MEGATRON_ADAPT_STRICT"):
+        fp8.fp8_linear(x, w, None, Fp8Scaling(Fp8Recipe(), DEV))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer without a CUDA device")
+def test_fp8_unavailable_without_a_gpu():
+    assert fp8.fp8_unavailable() == "no CUDA device is visible"

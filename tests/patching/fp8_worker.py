@@ -1,0 +1,147 @@
+"""fp8 through Megatron's real path, in a fresh interpreter; prints PROBE-JSON findings.
+
+    python fp8_worker.py refusal      the cpu backend refuses TransformerConfig(fp8=...)
+    python fp8_worker.py train        GPTModel from Megatron's TE layer spec with fp8 set
+
+`train` needs an fp8 GEMM, which the cpu backend does not serve. It lends the cpu backend the
+cuda backend's own `fp8_linear` (torch's CPU build has `torch._scaled_mm` for float8, so the
+cuda op runs on CPU tensors) and an `fp8_unavailable` answering None: everything Megatron-facing
+(the config check, get_fp8_context, the provider's linears, gradient-accumulation fusion, the
+extra state) runs as on a GPU; only the GEMMs run on the CPU.
+"""
+import json
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+os.environ["MEGATRON_ADAPT_AUTO"] = "0"
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PROBE_PORT", "29518"),
+                  RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+
+import torch  # noqa: E402
+
+import megatron_adapt  # noqa: E402
+from megatron_adapt import report  # noqa: E402
+
+scenario = sys.argv[1]
+if scenario == "train":
+    from megatron_adapt.backends import cpu as cpu_backend
+    from megatron_adapt.backends.cuda import fp8 as cuda_fp8
+
+    cpu_backend.BACKEND.ops["fp8_linear"] = "megatron_adapt.backends.cuda.fp8:fp8_linear"
+    cpu_backend.BACKEND._loaded["fp8_unavailable"] = lambda: None
+    assert cpu_backend.BACKEND.op("fp8_linear") is cuda_fp8.fp8_linear
+
+megatron_adapt.apply("cpu", quiet=True)
+
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+
+out = {}
+BASE = dict(num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+            normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False)
+
+
+def refusal():
+    for kw in ({"fp8": "hybrid"}, {"fp8": "e4m3", "fp8_recipe": "delayed"}, {"fp4": "e2m1"}):
+        try:
+            TransformerConfig(**BASE, **kw)
+            out[str(kw)] = "built"
+        except Exception as exc:  # noqa: BLE001 (the test reads the type and message)
+            out[str(kw)] = f"{type(exc).__name__}: {exc}"
+    TransformerConfig(**BASE)   # no fp8: builds
+    out["plain"] = "built"
+
+
+def calls():
+    return sum(report.op_counts().get("fp8_linear", {}).values())
+
+
+def model(**kw):
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    config = TransformerConfig(**BASE, **kw)
+    return GPTModel(config, get_gpt_layer_with_transformer_engine_spec(), vocab_size=128,
+                    max_sequence_length=32), config
+
+
+def step(m, tokens, pos, labels, main_grad):
+    for p in m.parameters():
+        p.grad = None
+        if main_grad:
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+            p.grad_added_to_main_grad = False
+    loss = m(tokens, pos, None, labels=labels).float().mean()
+    loss.backward()
+    return loss.item(), {n: (p.main_grad if main_grad and getattr(p, "grad_added_to_main_grad", False)
+                             else p.grad) for n, p in m.named_parameters()}
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def train():
+    dist.init_process_group("nccl")  # the device layer maps it to gloo
+    parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(1234)   # the same data every run
+    tokens = torch.randint(0, 128, (2, 32))
+    pos = torch.arange(32).unsqueeze(0).expand(2, -1)
+    labels = torch.randint(0, 128, (2, 32))
+    ref, _ = model()
+    ref_loss, ref_grads = step(ref, tokens, pos, labels, False)
+    out["plain_class"] = type(ref.decoder.layers[0].self_attention.linear_qkv).__name__
+    for recipe, main_grad in (("tensorwise", False), ("delayed", False), ("tensorwise", True)):
+        m, config = model(fp8="hybrid", fp8_recipe=recipe, gradient_accumulation_fusion=main_grad,
+                          fp8_amax_history_len=4, fp8_amax_compute_algo="max")
+        m.load_state_dict(ref.state_dict(), strict=False)
+        layer = m.decoder.layers[0]
+        before = calls()
+        losses, grads = [], None
+        for _ in range(2):  # delayed: the 2nd step's scales come from the 1st step's amaxes
+            loss, grads = step(m, tokens, pos, labels, main_grad)
+            losses.append(loss)
+        key = f"{recipe}{'+main_grad' if main_grad else ''}"
+        out[key] = {
+            "classes": sorted({type(mod).__name__ for mod in (
+                layer.self_attention.linear_qkv, layer.self_attention.linear_proj,
+                layer.mlp.linear_fc1, layer.mlp.linear_fc2)}),
+            "fp8_calls": calls() - before,
+            "loss_rel": abs(losses[-1] - ref_loss) / abs(ref_loss),
+            "grad_rel_max": max(rel(grads[n], ref_grads[n]) for n in ref_grads if "layers" in n and "weight" in n
+                                and "norm" not in n),
+            "scale_fwd": layer.self_attention.linear_qkv.fp8_scaling.scale["fwd"].tolist(),
+            "amax_rows": layer.self_attention.linear_qkv.fp8_scaling.amax_history["fwd"].tolist(),
+        }
+    # --first-last-layers-bf16: Megatron's is_first_last_bf16_layer decides; only layer 1 is fp8
+    m, _ = model(fp8="hybrid", fp8_recipe="tensorwise", first_last_layers_bf16=True,
+                 num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1)
+    before = calls()
+    step(m, tokens, pos, labels, False)
+    out["first_last_bf16_calls"] = calls() - before
+    # the delayed state travels in _extra_state
+    m, _ = model(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4)
+    step(m, tokens, pos, labels, False)
+    sd = m.state_dict()
+    qkv_key = "decoder.layers.0.self_attention.linear_qkv._extra_state"
+    out["extra_state_type"] = type(sd.get(qkv_key)).__name__
+    fresh, _ = model(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4)
+    fresh.load_state_dict(sd)
+    a = m.decoder.layers[0].self_attention.linear_qkv.fp8_scaling
+    b = fresh.decoder.layers[0].self_attention.linear_qkv.fp8_scaling
+    out["extra_state_roundtrip"] = all(torch.equal(a.scale[d], b.scale[d]) and
+                                       torch.equal(a.amax_history[d], b.amax_history[d]) for d in ("fwd", "bwd"))
+    out["extra_state_nontrivial"] = bool((a.scale["fwd"] != 1).all())
+    plain, _ = model()
+    out["plain_loads_fp8_checkpoint"] = str(plain.load_state_dict(sd, strict=True))
+    out["report_impls"] = sorted(report.op_counts().get("fp8_linear", {}))
+
+
+{"refusal": refusal, "train": train}[scenario]()
+print("PROBE-JSON:" + json.dumps(out))

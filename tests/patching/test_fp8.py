@@ -1,0 +1,97 @@
+"""Tier 1, area fp8 (its PatchContract: TestFp8 in test_patches.py): the refusal on cpu, and fp8 reached
+through Megatron's real path (GPTModel from the TE layer spec, Megatron's get_fp8_context callers,
+--first-last-layers-bf16, gradient-accumulation fusion, _extra_state). Each in a fresh interpreter
+(tests/patching/fp8_worker.py says how the cpu backend borrows the cuda fp8 op for `train`)."""
+import json
+import os
+import types
+from functools import lru_cache
+
+import pytest
+
+from adapt_testutil import run_python
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp8_worker.py")
+
+
+@lru_cache(maxsize=None)
+def worker(scenario):
+    out = run_python([WORKER, scenario], timeout=600).stdout
+    return json.loads(next(l for l in out.splitlines() if l.startswith("PROBE-JSON:"))[len("PROBE-JSON:"):])
+
+
+class TestFp8ThroughMegatron:
+    """(The area's PatchContract subclass is TestFp8 in test_patches.py.)"""
+
+    def test_cpu_refuses_fp8_and_fp4_configs_naming_flag_backend_reason(self):
+        res = worker("refusal")
+        assert res["plain"] == "built"
+        for key, flag in (("{'fp8': 'hybrid'}", "--fp8-format hybrid"),
+                          ("{'fp8': 'e4m3', 'fp8_recipe': 'delayed'}", "--fp8-format e4m3")):
+            assert res[key].startswith(f"UnsupportedFeatureError: TransformerConfig: {flag}: the cpu "
+                                       "backend cannot run it: CPUs have no fp8 matrix units"), res[key]
+        assert "--fp4-format e2m1: the cpu backend cannot run it: megatron-adapt serves no fp4" in res["{'fp4': 'e2m1'}"]
+
+    def test_fp8_linears_through_gpt_model(self):
+        res = worker("train")
+        assert res["plain_class"] == "AdaptLayerNormColumnParallelLinear"   # fp8 unset: Megatron's / ours, unchanged
+        for key in ("tensorwise", "delayed", "tensorwise+main_grad"):
+            r = res[key]
+            assert r["classes"] == ["Fp8AdaptLayerNormColumnParallelLinear", "Fp8RowParallelLinear"], r
+            assert r["fp8_calls"] == 2 * 3 * 4, r          # 2 steps x 3 layers x (qkv, proj, fc1, fc2)
+            assert r["loss_rel"] < 2e-3, r                 # fp8 against the same model in fp32
+            # quantized (not fp32), within fp8's error: e5m2 gradients through 3 layers of a tiny
+            # model (the op's exactness against an emulation is tests/cuda/test_cuda_fp8.py's)
+            assert 1e-3 < r["grad_rel_max"] < 0.25, r
+        assert res["tensorwise+main_grad"]["grad_rel_max"] == pytest.approx(res["tensorwise"]["grad_rel_max"], rel=1e-3)
+        d = res["delayed"]
+        assert d["scale_fwd"] != [1.0, 1.0] and d["amax_rows"][0] == [0.0, 0.0], d   # updated, row 0 fresh
+        assert [row != [0.0, 0.0] for row in d["amax_rows"]] == [False, False, True, True], d
+        assert res["first_last_bf16_calls"] == 4             # only the middle layer of three in fp8
+        assert res["extra_state_type"] == "Tensor" and res["extra_state_roundtrip"] and res["extra_state_nontrivial"]
+        assert res["plain_loads_fp8_checkpoint"] == "<All keys matched successfully>"
+        assert res["report_impls"] == ["cpu.scaled_mm(hybrid, delayed)", "cpu.scaled_mm(hybrid, tensorwise)"]
+
+
+@pytest.mark.parametrize("settings,expected", [
+    ({"fp8": "hybrid", "fp8_recipe": "blockwise"}, "--fp8-format hybrid --fp8-recipe blockwise: the cuda backend serves the tensorwise and delayed recipes only"),
+    ({"fp8": "hybrid", "fp8_recipe": "mxfp8"}, "--fp8-recipe mxfp8"),
+    ({"fp8": "hybrid", "fp8_recipe": "tensorwise", "fp8_param_gather": True}, "--fp8-param-gather: the cuda backend keeps parameters in bf16"),
+    ({"fp8": "e4m3", "fp8_recipe": "delayed", "num_experts": 8}, "--num-experts: the cuda backend has no fp8 grouped GEMM"),
+    ({"fp8": "hybrid", "fp8_recipe": "delayed", "transformer_impl": "local"}, "--transformer-impl local"),
+    ({"fp8": "hybrid", "fp8_recipe": "tensorwise", "fp8_dot_product_attention": True}, "--fp8-dot-product-attention"),
+    ({"fp4": "e2m1"}, "--fp4-format e2m1: the cuda backend cannot run it"),
+    ({"fp8": "hybrid", "fp8_recipe": "tensorwise", "cuda_graph_impl": "local"}, "--cuda-graph-impl local: Megatron's local CUDA graphs handle fp8 through Transformer Engine's FP8GlobalStateManager"),
+    ({"fp8": "hybrid", "fp8_recipe": "tensorwise", "cuda_graph_impl": "none"}, None),
+    ({"fp8": "hybrid", "fp8_recipe": "delayed", "recompute_granularity": "full"}, "--recompute-granularity full"),
+    ({"fp8": "hybrid", "fp8_recipe": "delayed", "recompute_granularity": "selective"}, None),
+    ({"fp8": "hybrid", "fp8_recipe": "tensorwise", "transformer_impl": "transformer_engine"}, None),
+    ({"fp8": "hybrid", "fp8_recipe": "delayed"}, None),
+    ({}, None),
+])
+def test_refusal_on_a_backend_that_runs_fp8(settings, expected):
+    """On an fp8-capable cuda device (fp8_unavailable answers None) the features no linear here
+    serves are still refused, each naming its flag; the served ones pass."""
+    from megatron_adapt.patches.fp8 import fp8_refusal
+
+    backend = types.SimpleNamespace(name="cuda", op=lambda name: {"fp8_unavailable": lambda: None}[name])
+    why = fp8_refusal(backend, settings)
+    assert (why is None) if expected is None else (expected in why), why
+
+
+@pytest.mark.parametrize("reason", ["NVIDIA A100-SXM4-80GB is sm80; fp8 GEMMs (cuBLASLt through torch._scaled_mm) need sm89"])
+def test_refusal_on_a_gpu_before_sm89(reason):
+    from megatron_adapt.patches.fp8 import fp8_refusal
+
+    backend = types.SimpleNamespace(name="cuda", op=lambda name: {"fp8_unavailable": lambda: reason}[name])
+    why = fp8_refusal(backend, {"fp8": "hybrid", "fp8_recipe": "tensorwise"})
+    assert why.startswith(f"--fp8-format hybrid: the cuda backend cannot run it: {reason}"), why
+
+
+def test_npu_refuses_fp8():
+    from megatron_adapt.backends.npu.fp8 import fp8_unavailable
+    from megatron_adapt.patches.fp8 import fp8_refusal
+
+    backend = types.SimpleNamespace(name="npu", op=lambda name: {"fp8_unavailable": fp8_unavailable}[name])
+    why = fp8_refusal(backend, {"fp8": "hybrid"})
+    assert why.startswith("--fp8-format hybrid: the npu backend cannot run it: megatron-adapt wires no torch_npu fp8 matmul"), why
