@@ -23,6 +23,7 @@ AREAS = (
     "grad_accum_fusion",
     "moe",
     "layer_specs",
+    "ssm",
     "cuda_graphs",
     "startup_report",
 )
