@@ -33,7 +33,7 @@ REQUIRED = (
 )
 
 # Modules the Mamba scripts never import: their patches wait, pending.
-NOT_IMPORTED = ("megatron.core.models.gpt.gpt_layer_specs",)
+NOT_IMPORTED = ("megatron.core.models.gpt.gpt_layer_specs", "megatron.core.models.mamba.mamba_layer_specs")
 
 
 def _hybrid_script() -> bool:
