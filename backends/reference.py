@@ -358,3 +358,167 @@ def moe_router_scores(logits, topk, score_function="softmax"):
         raise ValueError(f"score_function must be 'softmax' or 'sigmoid', got {score_function!r}")
     idx = torch.topk(scores, k=topk, dim=1)[1]
     return torch.zeros_like(scores, dtype=torch.bool).scatter(1, idx, True), scores
+
+
+# ----------------------------------------------------------------------------- Mamba-2 (SSD)
+# Shapes: x [b, l, h, p], dt [b, l, h], A [h], B and C [b, l, g, n] (h % g == 0: head i reads
+# group i // (h / g)), D [h] or [h, p], z like x, states [b, h, p, n]. The recurrence, per head:
+#   dt' = clamp(softplus(dt + dt_bias)), state_t = exp(dt'_t A) state_{t-1} + dt'_t x_t B_t^T,
+#   y_t = state_t C_t + D x_t, out_t = y_t * silu(z_t)
+# seq_idx [b, l] (int, non-decreasing): the state does not cross from one sequence to the next
+# (initial_states feed the first sequence only).
+def ssd_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf"))):
+    """dt as the scan uses it (fp32): + dt_bias, softplus (threshold 20, as mamba-ssm), clamp."""
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if dt_softplus:
+        dt = F.softplus(dt)
+    if tuple(dt_limit) != (0.0, float("inf")):
+        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    return dt
+
+
+def _heads(t, h):
+    """[b, l, g, n] -> [b, l, h, n] (each group repeated for its heads), fp32."""
+    return t.float().repeat_interleave(h // t.size(2), dim=2)
+
+
+def _d_skip(D, x):
+    D = D.float()
+    return x.float() * (D[:, None] if D.dim() == 1 else D)
+
+
+def ssd_scan_sequential(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                        dt_limit=(0.0, float("inf")), initial_states=None, seq_idx=None,
+                        return_final_states=False):
+    """The recurrence one step at a time, fp32: the tests' ground truth (slow, no chunking)."""
+    b, l, h, p = x.shape
+    dt = ssd_dt(dt, dt_bias, dt_softplus, dt_limit)
+    Bh, Ch, xf = _heads(B, h), _heads(C, h), x.float()
+    state = (initial_states.float() if initial_states is not None
+             else x.new_zeros(b, h, p, B.size(-1), dtype=torch.float32))
+    ys = []
+    for t in range(l):
+        decay = torch.exp(dt[:, t] * A.float())                                  # [b, h]
+        if seq_idx is not None and t > 0:
+            decay = decay * (seq_idx[:, t] == seq_idx[:, t - 1]).float()[:, None]
+        state = state * decay[..., None, None] + torch.einsum(
+            "bh,bhp,bhn->bhpn", dt[:, t], xf[:, t], Bh[:, t])
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, Ch[:, t]))
+    y = torch.stack(ys, dim=1)
+    if D is not None:
+        y = y + _d_skip(D, x)
+    if z is not None:
+        y = y * F.silu(z.float())
+    y = y.to(x.dtype)
+    return (y, state) if return_final_states else y
+
+
+def ssd_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
+             dt_limit=(0.0, float("inf")), initial_states=None, seq_idx=None,
+             return_final_states=False):
+    """The chunked SSD algorithm (Mamba-2) in PyTorch ops, fp32, differentiable by autograd.
+
+    Within a chunk of Q steps the output is a masked Q x Q matrix product; across chunks the
+    state is passed once per chunk. Memory O(b h l Q), compute O(b h l (Q (p + n) + p n))."""
+    b, l, h, p = x.shape
+    n = B.size(-1)
+    Q = int(chunk_size)
+    dt = ssd_dt(dt, dt_bias, dt_softplus, dt_limit)
+    xf, Bh, Ch = x.float(), _heads(B, h), _heads(C, h)
+    pad = (-l) % Q
+    if pad:  # padded steps have dt = 0: no decay, no input; their outputs are dropped
+        xf, Bh, Ch = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (xf, Bh, Ch))
+        dt = F.pad(dt, (0, 0, 0, pad))
+    L = l + pad
+    c = L // Q
+    xc, Bc, Cc = (t.reshape(b, c, Q, h, -1) for t in (xf, Bh, Ch))
+    dtc = dt.reshape(b, c, Q, h)
+    a = torch.cumsum(dtc * A.float(), dim=2)                                       # [b, c, Q, h]
+    same = None
+    if seq_idx is not None:
+        seq = F.pad(seq_idx, (0, pad), value=-1) if pad else seq_idx   # (pads: their own sequence)
+        if pad:
+            seq = torch.where(seq < 0, seq_idx[:, -1:], seq)
+        seq = seq.reshape(b, c, Q)
+    # within chunks: y_i += sum_{j<=i} (C_i . B_j) exp(a_i - a_j) dt_j x_j
+    seg = a[:, :, :, None, :] - a[:, :, None, :, :]                                # [b, c, i, j, h]
+    causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
+    keep = causal[None, None, :, :, None]
+    if seq_idx is not None:
+        keep = keep & (seq[:, :, :, None] == seq[:, :, None, :])[..., None]
+    decay = torch.exp(seg.masked_fill(~keep, float("-inf")))
+    scores = torch.einsum("bcihn,bcjhn->bcijh", Cc, Bc) * decay * dtc[:, :, None, :, :]
+    y = torch.einsum("bcijh,bcjhp->bcihp", scores, xc)
+    # each chunk's own contribution to the state at its end
+    to_end = torch.exp(a[:, :, -1:, :] - a) * dtc                                 # [b, c, Q, h]
+    if seq_idx is not None:
+        to_end = to_end * (seq == seq[:, :, -1:]).float()[..., None]
+    chunk_states = torch.einsum("bcjh,bcjhp,bcjhn->bchpn", to_end, xc, Bc)
+    # across chunks: the state entering chunk k
+    state = (initial_states.float() if initial_states is not None
+             else xf.new_zeros(b, h, p, n))
+    entering = []
+    for k in range(c):
+        entering.append(state)
+        carry = torch.exp(a[:, k, -1, :])                                          # [b, h]
+        if seq_idx is not None:
+            prev_last = seq[:, k - 1, -1] if k else seq[:, 0, 0]
+            carry = carry * (seq[:, k, -1] == prev_last).float()[:, None]
+        state = state * carry[..., None, None] + chunk_states[:, k]
+    entering = torch.stack(entering, dim=1)                                        # [b, c, h, p, n]
+    from_state = torch.exp(a)
+    if seq_idx is not None:
+        prev_last = torch.cat([seq[:, :1, :1], seq[:, :-1, -1:]], dim=1)           # [b, c, 1]
+        from_state = from_state * (seq == prev_last).float()[..., None]
+    y = y + torch.einsum("bcihn,bchpn,bcih->bcihp", Cc, entering, from_state)
+    y = y.reshape(b, L, h, p)[:, :l]
+    if D is not None:
+        y = y + _d_skip(D, x)
+    if z is not None:
+        y = y * F.silu(z.float())
+    y = y.to(x.dtype)
+    return (y, state) if return_final_states else y
+
+
+def causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None):
+    """Depthwise causal conv over the sequence: x [b, l, d] (any strides), weight [d, w],
+    bias [d] | None, activation None | "silu" | "swish" -> [b, l, d] x.dtype (fp32 math).
+    y[t] = act(bias + sum_k weight[:, k] x[t - (w - 1) + k]); with seq_idx [b, l] a window
+    never reaches into the previous sequence."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"causal_conv1d: activation {activation!r}: None, 'silu' or 'swish'")
+    b, l, d = x.shape
+    w = weight.size(-1)
+    xt = x.float().transpose(1, 2)                                                 # [b, d, l]
+    if seq_idx is None:
+        y = F.conv1d(F.pad(xt, (w - 1, 0)), weight.float().unsqueeze(1),
+                     None if bias is None else bias.float(), groups=d)
+    else:
+        win = F.pad(xt, (w - 1, 0)).unfold(-1, w, 1)                               # [b, d, l, w]
+        pos = torch.arange(l, device=x.device)[:, None] - (w - 1) + torch.arange(w, device=x.device)
+        src = seq_idx.gather(1, pos.clamp(min=0).reshape(1, -1).expand(b, -1)).reshape(b, l, w)
+        ok = (src == seq_idx[:, :, None]) & (pos >= 0)
+        y = (win * ok[:, None].float() * weight.float()[None, :, None, :]).sum(-1)
+        if bias is not None:
+            y = y + bias.float()[None, :, None]
+    if activation is not None:
+        y = F.silu(y)
+    return y.transpose(1, 2).to(x.dtype)
+
+
+def rms_norm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
+    """mamba-ssm's gated RMSNorm: x [..., d], weight [d], z like x | None; per group of
+    group_size channels (None: all d): norm_before_gate  y = rmsnorm(x) w * silu(z);
+    otherwise y = rmsnorm(x * silu(z)) w. fp32 math, x.dtype out."""
+    d = x.size(-1)
+    gs = d if group_size is None else int(group_size)
+    xf = x.float()
+    if z is not None and not norm_before_gate:
+        xf = xf * F.silu(z.float())
+    xg = xf.reshape(*x.shape[:-1], d // gs, gs)
+    y = (xg * torch.rsqrt(xg.pow(2).mean(-1, keepdim=True) + eps)).reshape(x.shape) * weight.float()
+    if z is not None and norm_before_gate:
+        y = y * F.silu(z.float())
+    return y.to(x.dtype)

@@ -106,6 +106,21 @@ OPS: dict[str, Op] = {
         "wgrad GEMMs in fp8 with scaling's format and recipe; wgrad_sink(dW fp32) returns the "
         "weight's gradient (gradient-accumulation fusion), without it dW in weight.dtype. "
         "Served only where fp8_unavailable() is None (cuda)"),
+    "ssd_scan": Op(
+        ".ssm:ssd_scan",
+        "(x [b, l, h, p], dt [b, l, h], A [h] fp32, B [b, l, g, n], C [b, l, g, n], chunk_size, "
+        "D [h] | [h, p] | None, z [b, l, h, p] | None, dt_bias [h] | None, dt_softplus: bool, "
+        "dt_limit (lo, hi), initial_states [b, h, p, n] | None, seq_idx [b, l] int | None, "
+        "return_final_states: bool) -> out [b, l, h, p] x.dtype (, final_states [b, h, p, n] "
+        "fp32): Mamba-2's selective state-space scan (mamba_chunk_scan_combined's semantics)"),
+    "causal_conv1d": Op(
+        ".ssm:causal_conv1d",
+        "(x [b, l, d] any strides, weight [d, w], bias [d] | None, activation None|'silu'|'swish',"
+        " seq_idx [b, l] | None) -> [b, l, d] x.dtype: depthwise causal conv over l"),
+    "rms_norm_gated": Op(
+        ".ssm:rms_norm_gated",
+        "(x [..., d], weight [d], z like x | None, eps, group_size | None, norm_before_gate: bool)"
+        " -> y x.dtype: RMSNorm per group of channels, gated by silu(z) before or after"),
     "rng_get_state": Op(
         ".rng:get_state",
         '() -> state tensor of the generator Megatron calls "cuda"'),

@@ -24,6 +24,7 @@ AREAS = (
     "moe",
     "layer_specs",
     "fp8",
+    "ssm",
     "cuda_graphs",
     "startup_report",
 )

@@ -10,6 +10,8 @@ of fwd+bwd; the backward goes through torch.autograd.grad (no .grad accumulation
 Bandwidth: bytes of a minimal fwd+bwd model per op (stated in the `bytes_model` column: every
 input read once and every output written once per pass), over the median time, and as a fraction
 of a large device-to-device copy measured in the same run (bytes read + written).
+Mamba-2 (`--ops ssm`): the SSD scan, causal conv1d and gated RMSNorm against the PyTorch
+reference, its torch.compile and mamba-ssm / causal-conv1d where those import.
 Attention: TFLOP/s with flash-attention's convention (fwd 4*b*h*s^2*d, halved when causal;
 fwd+bwd = 3.5x fwd). "megatron_stock" is Megatron-core's plain-torch path when apex / TE /
 its CUDA extensions are absent, re-implemented here (megatron-core need not be installed).
@@ -412,6 +414,96 @@ def bench_multi_tensor(be, args, dev):
     record("multi_tensor_l2norm", "256 x 4M fp32", "megatron_stock", megatron_l2, nb, "r all = 4B/elem")
 
 
+def mamba_ssm_fns():
+    """mamba-ssm's own kernels, where installed: (chunk scan, causal conv1d, gated RMSNorm)."""
+    try:
+        from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception:
+        return None
+    try:
+        from causal_conv1d import causal_conv1d_fn
+    except Exception:
+        causal_conv1d_fn = None
+    return mamba_chunk_scan_combined, causal_conv1d_fn, rmsnorm_fn
+
+
+def bench_ssm(be, args, dev):
+    """Mamba-2 layer ops at a Mamba-2 / Nemotron-H-like shape: d_inner = 2 * hidden, head dim 64,
+    8 groups, state 128, chunk 128 (Megatron's defaults), bf16."""
+    from megatron_adapt.backends import reference
+    P, G, N, Q = 64, 8, 128, 128
+    H = 2 * args.hidden // P
+    b = 4
+    L = args.tokens // b
+    T = b * L
+    bf = dict(device=dev, dtype=torch.bfloat16)
+    x = torch.randn(b, L, H, P, **bf).requires_grad_()
+    z = torch.randn(b, L, H, P, **bf).requires_grad_()
+    dt = (torch.randn(b, L, H, **bf) * 0.5).requires_grad_()
+    Bm = (torch.randn(b, L, G, N, **bf) * 0.5).requires_grad_()
+    Cm = (torch.randn(b, L, G, N, **bf) * 0.5).requires_grad_()
+    A = (-torch.rand(H, device=dev) - 0.5).requires_grad_()
+    D = torch.randn(H, device=dev).requires_grad_()
+    dt_bias = torch.randn(H, device=dev).requires_grad_()
+    dy = torch.randn(b, L, H, P, **bf)
+    leaves = [x, dt, A, Bm, Cm, D, z, dt_bias]
+    xs, bcs, dts = T * H * P * 2, T * G * N * 2, T * H * 2
+    fwd_b = 2 * xs + 2 * bcs + dts + xs                  # r x, z, B, C, dt; w out
+    bwd_b = 3 * xs + 2 * bcs + dts + 2 * xs + 2 * bcs + dts   # r x, z, dout, B, C, dt; w dx, dz, dB, dC, ddt
+    model = "fwd r x,z,B,C,dt w y; bwd r x,z,dy,B,C,dt w dx,dz,dB,dC,ddt (bf16; states not counted)"
+    shape = f"b{b} l{L} h{H} p{P} g{G} n{N} Q{Q} bf16"
+    scan = ours(be, "ssd_scan")
+    call = lambda f: (lambda: f(x, dt, A, Bm, Cm, Q, D=D, z=z, dt_bias=dt_bias, dt_softplus=True))
+    f, bw = split_fns(call(scan), leaves, dy)
+    record("ssd_scan", shape, "ours", fwd_bwd(call(scan), leaves, dy), fwd_b + bwd_b, model,
+           split=(f, fwd_b, bw, bwd_b))
+    record("ssd_scan", shape, "torch_eager", fwd_bwd(call(reference.ssd_scan), leaves, dy), fwd_b + bwd_b,
+           model, note="the chunked reference (the cpu backend's op)")
+    c = maybe_compile(lambda *a, **k: reference.ssd_scan(*a, **k), args)
+    if c:
+        record("ssd_scan", shape, "torch_compile", fwd_bwd(call(c), leaves, dy), fwd_b + bwd_b, model)
+    mssm = mamba_ssm_fns()
+    if mssm:
+        record("ssd_scan", shape, "mamba_ssm", fwd_bwd(call(mssm[0]), leaves, dy), fwd_b + bwd_b, model)
+    # the causal conv1d over xBC [b, l, d_inner + 2 G N] (channel-last), width 4, SiLU
+    d = H * P + 2 * G * N
+    xc = torch.randn(b, L, d, **bf).requires_grad_()
+    wc = (torch.randn(d, 4, device=dev) * 0.3).to(torch.bfloat16).requires_grad_()
+    bc = torch.randn(d, **bf).requires_grad_()
+    gy = torch.randn(b, L, d, **bf)
+    nb = 5 * T * d * 2
+    conv = ours(be, "causal_conv1d")
+    cshape = f"{b}x{L}x{d} w4 bf16 silu"
+    record("causal_conv1d", cshape, "ours", fwd_bwd(lambda: conv(xc, wc, bc, "silu"), [xc, wc, bc], gy), nb,
+           "fwd r x w y; bwd r x,dy w dx = 5*T*D*2B")
+    record("causal_conv1d", cshape, "torch_eager",
+           fwd_bwd(lambda: reference.causal_conv1d(xc, wc, bc, "silu"), [xc, wc, bc], gy), nb,
+           "fwd r x w y; bwd r x,dy w dx = 5*T*D*2B", note="F.conv1d, the reference")
+    if mssm and mssm[1]:
+        record("causal_conv1d", cshape, "causal_conv1d",
+               fwd_bwd(lambda: mssm[1](xc.transpose(1, 2), wc, bc, activation="silu").transpose(1, 2),
+                       [xc, wc, bc], gy), nb, "fwd r x w y; bwd r x,dy w dx = 5*T*D*2B")
+    # the gated RMSNorm after the scan: [T, d_inner], groups of d_inner / G, gate before the norm
+    xn = torch.randn(T, H * P, **bf).requires_grad_()
+    zn = torch.randn(T, H * P, **bf).requires_grad_()
+    wn = torch.ones(H * P, **bf).requires_grad_()
+    gn = torch.randn(T, H * P, **bf)
+    nb = 7 * T * H * P * 2
+    norm = ours(be, "rms_norm_gated")
+    nshape = f"{T}x{H * P} groups {H * P // G} bf16"
+    nmodel = "fwd r x,z w y; bwd r x,z,dy w dx,dz = 7*T*D*2B"
+    record("rms_norm_gated", nshape, "ours",
+           fwd_bwd(lambda: norm(xn, wn, zn, 1e-5, H * P // G, False), [xn, wn, zn], gn), nb, nmodel)
+    record("rms_norm_gated", nshape, "torch_eager",
+           fwd_bwd(lambda: reference.rms_norm_gated(xn, wn, zn, 1e-5, H * P // G, False), [xn, wn, zn], gn),
+           nb, nmodel)
+    if mssm:
+        record("rms_norm_gated", nshape, "mamba_ssm",
+               fwd_bwd(lambda: mssm[2](xn, wn, None, z=zn, eps=1e-5, group_size=H * P // G,
+                                       norm_before_gate=False), [xn, wn, zn], gn), nb, nmodel)
+
+
 def measure_copy(dev):
     global COPY_GBPS
     src = torch.empty(2 * 1024 ** 3 // 2, dtype=torch.bfloat16, device=dev).normal_()
@@ -459,7 +551,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="cuda", choices=["cuda"])
     p.add_argument("--out", required=True)
-    p.add_argument("--ops", default="norms,softmax,swiglu,dropout,rope,ce,attention,adam,multi_tensor",
+    p.add_argument("--ops", default="norms,softmax,swiglu,dropout,rope,ce,attention,adam,multi_tensor,ssm",
                    help="comma-separated subset of the default list")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--hidden", type=int, default=4096)
@@ -477,7 +569,8 @@ def main(argv=None):
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, liger: {liger()}", flush=True)
     measure_copy(dev)
     table = dict(norms=bench_norms, softmax=bench_softmax, swiglu=bench_swiglu, dropout=bench_dropout, rope=bench_rope,
-                 ce=bench_ce, attention=bench_attention, adam=bench_adam, multi_tensor=bench_multi_tensor)
+                 ce=bench_ce, attention=bench_attention, adam=bench_adam, multi_tensor=bench_multi_tensor,
+                 ssm=bench_ssm)
     for name in args.ops.split(","):
         print(f"[{name}]", flush=True)
         try:

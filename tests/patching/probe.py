@@ -92,7 +92,8 @@ def snapshot():
         current = lookup(s.target)
         out[s.target] = {
             "status": records[s.target]["status"], "reason": records[s.target]["reason"],
-            "ours": inst is not None and current is inst.new,
+            # (or installed through another of its names, e.g. a module re-exporting ours with `import *`)
+            "ours": (inst is not None and current is inst.new) or applier.is_ours(current),
             "aliases_ours": [inst is not None and lookup(a) is inst.new for a in ALIASES.get(s.target, [])],
             "id": id(current), "sites": records[s.target]["sites"], "missing": current is MISSING,
         }

@@ -337,6 +337,22 @@ def test_fused_mla_rope_matches_megatrons_triton_kernels_under_the_interpreter()
             assert r["other_rank_err"] > 0.1, (case, r)   # positions matter: the check can fail
 
 
+class TestSsm(PatchContract):
+    area = "ssm"
+
+    def test_mamba_model_from_megatrons_spec_on_backend_ops(self):
+        res = consumer("ssm")
+        mixer = "decoder.layers.0.mixer."
+        # TE's parameter names (a TE-built Mamba layer's keys)
+        assert {mixer + "in_proj.layer_norm_weight", mixer + "in_proj.weight", mixer + "norm.weight",
+                mixer + "out_proj.weight", mixer + "A_log", mixer + "D", mixer + "dt_bias",
+                "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight",
+                "decoder.layers.2.mlp.linear_fc1.layer_norm_weight"} <= set(res["keys"]), res["keys"]
+        assert res["in_proj"] == "AdaptLayerNormColumnParallelLinear" and res["norm"] == "ExtendedGatedRMSNorm", res
+        assert res["calls"] == {"ssd_scan": 1, "causal_conv1d": 1, "rms_norm_gated": 1}, res["calls"]
+        assert res["grads_ok"] and res["fused_matches_unfused"], res
+
+
 class TestMoE(PatchContract):
     area = "moe"
 
