@@ -20,6 +20,9 @@ Small models' default steps wait on the host (docs/benchmarks.md); graphs replay
 with one launch. Where the configuration cannot be captured the run stays eager and the report says
 why (`local`: a fallback, an error under MEGATRON_ADAPT_STRICT=1; `auto`: recorded as the choice).
 A user's own --cuda-graph-impl always wins. Default `off`: Megatron's flags alone decide.
+MoE (`--num-experts`) is captured whole-layer only, and only with the alltoall dispatcher and
+capacity-padded dispatch (static shapes, nothing read back to the host); `_moe_why_not` says why
+everything else is refused, docs/moe.md ("CUDA graphs") has Megatron's code for it.
 """
 import os
 import sys
@@ -126,22 +129,94 @@ def build_full_iteration(backend, original):
     return full_iteration_call
 
 
+def _scope_names(args) -> list[str]:
+    """The launch's --cuda-graph-modules (0.19) / --cuda-graph-scope (0.15 - 0.18) as names, as
+    parse_args leaves them (enum members or strings); "full" means whole layers, as empty does."""
+    raw = getattr(args, "cuda_graph_modules", None) or getattr(args, "cuda_graph_scope", None) \
+        or getattr(args, "cuda_graph_scope_deprecated", None) or []
+    if isinstance(raw, str):
+        raw = raw.split(",")
+    return [n for n in (getattr(v, "name", v) for v in raw) if n != "full"]
+
+
+def _capacity_padded(args) -> bool:
+    """--moe-expert-capacity-factor (>= 0; Megatron reads a negative one as dropless) with
+    --moe-pad-expert-input-to-capacity: every expert gets exactly `capacity` rows."""
+    factor = getattr(args, "moe_expert_capacity_factor", None)
+    return factor is not None and factor >= 0 and bool(getattr(args, "moe_pad_expert_input_to_capacity", False))
+
+
+PADDED = "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity"
+
+
+def _moe_why_not(args) -> str | None:
+    """Why whole-layer graphs cannot capture this MoE configuration, or None.
+
+    Megatron's local graphs (CudaGraphManager) capture a GPT layer whole: GPT's layer specs build
+    TransformerLayer, whose create_mcore_cudagraph_manager gives the whole layer one graph for an
+    empty scope or `attn` / `mlp`, and no graph at all for `moe`, `moe_router`, `moe_preprocess`
+    (the partial MoE graphs are MoETransformerLayer's, which only the hybrid / Mamba specs build).
+    So an MoE layer is captured whole or not at all, and whole needs static shapes with nothing
+    read back to the host: the alltoall dispatcher with capacity-padded dispatch."""
+    dispatcher = getattr(args, "moe_token_dispatcher_type", "allgather")
+    if dispatcher != "alltoall":
+        why = {"allgather": "its dispatch_postprocess reads the per-expert token counts back to the host "
+                            "(.cpu(), .item()) in every layer, padded or not",
+               "flex": "the flex dispatcher's all-to-all is DeepEP's / HybridEP's, not served"}
+        return (f"MoE with --moe-token-dispatcher-type {dispatcher}: "
+                f"{why.get(dispatcher, 'not a dispatcher megatron-adapt has checked for capture')}; "
+                f"whole-layer graphs need alltoall with {PADDED}")
+    scopes = _scope_names(args)
+    if scopes:
+        return (f"MoE with --cuda-graph-modules {' '.join(scopes)}: under --cuda-graph-impl local GPT's "
+                "TransformerLayer graphs the whole layer for attn / mlp and builds no graph for moe / "
+                "moe_router / moe_preprocess (those partial graphs are MoETransformerLayer's, which GPT's "
+                f"layer specs do not build); leave the scope empty and use {PADDED}")
+    if not _capacity_padded(args):
+        factor = getattr(args, "moe_expert_capacity_factor", None)
+        dropping = factor is not None and factor >= 0
+        what = ("MoE token dropping without padding (--moe-expert-capacity-factor without "
+                "--moe-pad-expert-input-to-capacity)" if dropping else
+                "dropless MoE (--num-experts without a capacity factor)")
+        return (f"{what}: the alltoall dispatcher copies every layer's per-expert token counts to the "
+                "host and waits for them (sizes change every step), so whole-layer graphs cannot capture "
+                "the MoE layer, and the local implementation has no partial MoE graph for GPT's "
+                f"TransformerLayer; {PADDED} gives static shapes that whole-layer graphs capture")
+    return None
+
+
 def graph_plan(args, backend_name: str) -> str | None:
     """Why Megatron's layer-scope CUDA graphs cannot capture this configuration, or None if they can."""
     if backend_name != "cuda":
         return f"CUDA graphs need the cuda backend (this process runs {backend_name})"
     if getattr(args, "num_experts", None):
-        return ("MoE (--num-experts): the token dispatcher's shapes change every step, so whole-layer "
-                "graphs cannot capture it")
+        why = _moe_why_not(args)
+        if why:
+            return why
     if getattr(args, "fp8", None):
         return ("--fp8-format: Megatron's local CUDA graphs handle fp8 through Transformer Engine's "
                 "FP8GlobalStateManager, which is absent (docs/fp8.md)")
     if getattr(args, "cpu_offloading", False) or getattr(args, "cpu_offloading_num_layers", 0):
         return "--cpu-offloading moves activations to the host inside the layer"
+    if getattr(args, "recompute_granularity", None) == "full":
+        return ("--recompute-granularity full: Megatron allows full recompute only with the "
+                "full_iteration graph (TransformerConfig), not with layer graphs")
     if getattr(args, "inference_dynamic_batching", False) or getattr(args, "enable_cuda_graph", False) \
             or getattr(args, "external_cuda_graph", False):
         return "Megatron's own CUDA graph flags are set"
     return None
+
+
+def captured(args) -> str:
+    """What the layer graphs capture for this configuration (graph_plan(...) is None), and what
+    stays eager."""
+    if getattr(args, "num_experts", None):
+        layers = ("every transformer layer whole, MoE layers included: norms, attention, router and aux "
+                  "loss, capacity-padded permute, all-to-all, grouped experts, unpermute")
+    else:
+        layers = "every transformer layer whole: norms, attention, MLP"
+    return (f"{layers}, forward and backward; eager: embedding, output layer, loss and optimizer "
+            "(outside the layers, which are all Megatron's layer graphs cover)")
 
 
 def build_switch(backend, original):
@@ -159,8 +234,10 @@ def build_switch(backend, original):
         why_not = graph_plan(ns, backend.name)
         if why_not is None:
             ns.cuda_graph_impl = "local"
-            report.ran("cuda_graphs.switch", f"--cuda-graph-impl local (MEGATRON_ADAPT_CUDA_GRAPHS={mode})")
-            message = f"MEGATRON_ADAPT_CUDA_GRAPHS={mode}: turned on Megatron's --cuda-graph-impl local"
+            scope = "whole layers, MoE capacity-padded" if getattr(ns, "num_experts", None) else "whole layers"
+            report.ran("cuda_graphs.switch", f"--cuda-graph-impl local (MEGATRON_ADAPT_CUDA_GRAPHS={mode}): {scope}")
+            message = (f"MEGATRON_ADAPT_CUDA_GRAPHS={mode}: turned on Megatron's --cuda-graph-impl local; "
+                       f"captured: {captured(ns)}")
         elif mode == "local":
             report.fell_back("cuda_graphs.switch", "eager", why_not)
             message = f"MEGATRON_ADAPT_CUDA_GRAPHS=local: running eager: {why_not}"

@@ -233,8 +233,10 @@ def _grouped_linear_classes(backend):
             biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
             if self.skip_bias_add:  # TEGroupedMLP._apply_bias adds them, times the probs
                 return out, biases
-            sizes = torch.as_tensor(m_splits, device=out.device)
-            return out + torch.repeat_interleave(torch.stack(biases), sizes, dim=0), None
+            # each expert's bias over its rows, from the host sizes: no host-to-device copy and no
+            # size read back (both would break a CUDA graph capture of the layer)
+            splits = m_splits.tolist() if torch.is_tensor(m_splits) else m_splits
+            return out + torch.cat([b.expand(int(n), b.shape[0]) for b, n in zip(biases, splits)]), None
 
         def backward_dw(self):
             """Weight gradients are computed in the backward (delay_wgrad_compute is refused)."""

@@ -63,10 +63,37 @@ class _GroupedMM(torch.autograd.Function):
 
 
 def group_offsets(tokens_per_expert, device):
+    """int32 end offsets of the row groups, on `device`.
+
+    Sizes already on the device: a cumsum. Host sizes (a list, or a CPU tensor: what
+    Megatron's dispatchers hand the experts) are copied to the device, except while a CUDA
+    graph is being captured on it: a copy from pageable host memory cannot be captured (and a
+    captured one would re-read freed host memory at every replay), so there the offsets are
+    written by device kernels from the Python ints (sizes fixed for the graph's life, as
+    capacity-padded dispatch gives them): one arange when every group has the same size, else
+    one fill per group."""
+    if isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device.type != "cpu":
+        return torch.cumsum(tokens_per_expert.to(device=device, dtype=torch.int32), 0, dtype=torch.int32)
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        sizes = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else tokens_per_expert
+        return offsets_on_device([int(n) for n in sizes], device)
     if not isinstance(tokens_per_expert, torch.Tensor):
         tokens_per_expert = torch.tensor(tokens_per_expert)
     return torch.cumsum(tokens_per_expert.to(device=device, dtype=torch.int32, non_blocking=True), 0,
                         dtype=torch.int32)
+
+
+def offsets_on_device(sizes: list[int], device) -> torch.Tensor:
+    """cumsum(sizes) as an int32 tensor on `device`, made by kernels alone (no host copy)."""
+    if sizes and sizes[0] > 0 and all(n == sizes[0] for n in sizes):
+        return torch.arange(sizes[0], sizes[0] * len(sizes) + 1, sizes[0], device=device, dtype=torch.int32)
+    out = torch.empty(len(sizes), device=device, dtype=torch.int32)
+    end = 0
+    for i, n in enumerate(sizes):
+        end += n
+        out[i] = end  # a fill kernel: the value travels as a kernel argument
+    return out
 
 
 def grouped_mm(x, w, tokens_per_expert, trans_b=False):

@@ -106,3 +106,86 @@ def test_permute_unpermute_sort_router_on_device():
     chunks = torch.split(out.detach().cpu(), counts.tolist())
     assert torch.equal(sorted_out.cpu(), torch.cat([chunks[i] for i in order.tolist()]))
     assert ran_impl("moe_permute") and ran_impl("moe_unpermute") and ran_impl("moe_sort_chunks")
+
+
+# ---- inside a CUDA graph: what Megatron's whole-layer graphs capture with capacity-padded dispatch --
+
+@pytest.mark.parametrize("sizes", [[16, 16, 16, 16], SIZES[0], [0, 0, 16], [0, 0, 0]])
+def test_offsets_on_device_are_the_cumsum(sizes):
+    """The offsets grouped_gemm builds while a graph is captured (kernels only, no host copy)."""
+    off = moe.offsets_on_device(sizes, DEVICE)
+    assert off.dtype == torch.int32 and off.device.type == DEVICE.type
+    assert off.cpu().tolist() == torch.tensor(sizes).cumsum(0).tolist()
+
+
+def _padded_moe_step(x, router_w, w1, topk, capacity, m_splits, cuda_moe):
+    """One MoE block as Megatron's alltoall dispatcher runs it with --moe-expert-capacity-factor
+    and --moe-pad-expert-input-to-capacity (fused permutation and router), forward and backward:
+    router top-k, each expert keeps its `capacity` best tokens (padded), permute to
+    capacity * experts rows, grouped GEMM with host split sizes, weighted unpermute."""
+    e = router_w.shape[0]
+    logits = x @ router_w.t()
+    probs, _ = cuda_moe.moe_topk_router(logits, topk, False, None, None, None, "softmax", None)
+    _, keep = torch.topk(probs, k=capacity, dim=0, sorted=False)          # Megatron's pad_to_capacity
+    routing_map = torch.zeros_like(probs).scatter(0, keep, 1).bool()
+    probs = probs * routing_map
+    permuted, pprobs, row_map = cuda_moe.moe_permute(x, routing_map, probs, capacity * e)
+    h = cuda_moe.grouped_gemm(permuted, w1, m_splits, True)
+    y = cuda_moe.moe_unpermute(h, row_map, x.shape, probs)
+    loss = y.float().square().mean()
+    return (loss, *torch.autograd.grad(loss, (x, router_w, w1)))
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU (a real CUDA graph capture)")
+@pytest.mark.parametrize("m_splits", ["list", "cpu_tensor"])
+def test_capacity_padded_moe_ops_capture_and_replay(m_splits):
+    """Router, permute, grouped GEMM (host split sizes, as TEGroupedMLP passes them), unpermute and
+    their backward captured in one CUDA graph, replayed on new inputs: the same results as eager.
+    No op reads anything back to the host or copies host memory inside the capture."""
+    torch.manual_seed(0)
+    t, hdim, n, e, topk = 512, 128, 256, 8, 2
+    capacity = t * topk // e
+    dtype = torch.bfloat16
+    splits = [capacity] * e if m_splits == "list" else torch.full((e,), capacity, dtype=torch.long)
+    x = torch.randn(t, hdim, device="cuda", dtype=dtype, requires_grad=True)
+    router_w = (torch.randn(e, hdim, device="cuda", dtype=dtype) * 0.1).requires_grad_()
+    w1 = (torch.randn(e, n, hdim, device="cuda", dtype=dtype) * 0.05).requires_grad_()
+    step = lambda: _padded_moe_step(x, router_w, w1, topk, capacity, splits, moe)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        fresh = torch.randn(t, hdim, device="cuda", dtype=dtype)
+        with torch.no_grad():
+            x.copy_(fresh)
+        graph.replay()
+        eager = step()
+        for what, a, b in zip(("loss", "dx", "d router", "d w1"), static, eager):
+            assert torch.equal(a, b) or assert_close(a, b, dtype, what) is None, what
+    if HOPPER:
+        assert "cuda.torch._grouped_mm" in ran_impl("grouped_gemm")
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU (a real CUDA graph capture)")
+def test_grouped_gemm_uneven_host_splits_capture():
+    """Uneven host split sizes (empty experts included) inside a capture: the fill-kernel offsets."""
+    x, w = operands(SIZES[0], torch.bfloat16, True)
+    sizes = list(SIZES[0])
+    eager = moe.grouped_gemm(x, w, sizes, True)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe.grouped_gemm(x, w, sizes, True)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        static = moe.grouped_gemm(x, w, sizes, True)
+    graph.replay()
+    assert torch.equal(static, eager)

@@ -3,7 +3,8 @@
 8 experts, top-2, --moe-grouped-gemm, the alltoall dispatcher and the aux-loss load balancing,
 Megatron's default arguments otherwise (fp32, --transformer-impl transformer_engine served without
 TE), under `megatron-adapt-run torchrun`: expert parallelism 2 on 2 processes (with save and
-resume), a shared expert with the permute and router fusions, and TP=2 + EP=2 on 4 processes.
+resume), a shared expert with the permute and router fusions, TP=2 + EP=2 on 4 processes, and the
+capacity-padded dispatch that MEGATRON_ADAPT_CUDA_GRAPHS captures on a GPU, eager here.
 Each run checks the loss falls and, from the JSON report, which backend ops served the MoE layer.
 
 Needs MEGATRON_LM_PATH (skipped otherwise, like test_pretrain_gpt.py). ~2 minutes on 2 cores.
@@ -45,12 +46,12 @@ def _required_moe_patches():
 REQUIRED_MOE_PATCHES = _required_moe_patches()
 
 
-def pretrain(args, tmp: Path, name: str, nproc: int = 2, iters: int = 10):
+def pretrain(args, tmp: Path, name: str, nproc: int = 2, iters: int = 10, env: dict | None = None):
     report = tmp / f"{name}.report.json"
     cmd = ["megatron-adapt-run", "torchrun", "--nproc-per-node", str(nproc), "--master-port",
            str(base._free_port()), os.path.join(base.LM, "pretrain_gpt.py"), *base.TINY_GPT,
            "--train-iters", str(iters), *MOE, *args]
-    proc = subprocess.run(cmd, env={**base._env(), "MEGATRON_ADAPT_REPORT": str(report)}, cwd=tmp,
+    proc = subprocess.run(cmd, env={**base._env(), "MEGATRON_ADAPT_REPORT": str(report), **(env or {})}, cwd=tmp,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     log = tmp / f"{name}.log"
     log.write_text(" ".join(cmd) + "\n" + proc.stdout)
@@ -95,3 +96,18 @@ def test_tp2_ep2_four_processes(tmp_path):
                     "--moe-shared-expert-intermediate-size", "128"], tmp_path, "tp2_ep2", nproc=4)
     base.assert_loss_falls(run)
     assert_moe_ran(run)
+
+
+def test_ep2_capacity_padded_dispatch_with_the_graph_switch(tmp_path):
+    """The flags scripts/bench_moe.sh's graphed runs add (capacity factor 1.0, padded to capacity,
+    permute and router fusions) with MEGATRON_ADAPT_CUDA_GRAPHS=auto: Megatron's real parse_args and
+    validate_args take them, the switch says why this process stays eager (cpu backend), and the
+    capacity-padded MoE trains through the backend ops."""
+    run = pretrain(["--expert-model-parallel-size", "2", "--moe-permute-fusion", "--moe-router-fusion",
+                    "--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"],
+                   tmp_path, "ep2_padded", env={"MEGATRON_ADAPT_CUDA_GRAPHS": "auto"})
+    base.assert_loss_falls(run)
+    assert_moe_ran(run, "moe_permute", "moe_unpermute", "moe_topk_router", "moe_router_scores")
+    assert "MEGATRON_ADAPT_CUDA_GRAPHS=auto: running eager: CUDA graphs need the cuda backend" in run.out
+    assert "moe_pad_expert_input_to_capacity ................ True" in run.out
+    assert "cuda_graph_impl ................................. none" in run.out

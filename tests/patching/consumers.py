@@ -5,6 +5,7 @@ layer spec's norms and attention, MLP, the optimizer factory, grad clipping, the
 compares with Megatron's original implementation where one runs on CPU, and records which op
 implementation counted the call.
 """
+import dataclasses
 import json
 import os
 import sys
@@ -674,6 +675,28 @@ def _():
         runs[fused] = (y.detach(), h.grad, moe.router.weight.grad.clone(), expert_w1("grad").clone())
         out[f"calls_fused_{fused}"] = {op: counted(op) - before[op] for op in ops}
     out["layer_matches_unfused"] = all(close(a, b, 1e-5) for a, b in zip(runs[True], runs[False]))
+
+    # capacity-padded dispatch (--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity,
+    # what the CUDA-graph switch needs for MoE): Megatron hands the fused permute the padded routing
+    # map (exactly `capacity` rows per expert, 7 here: 16 tokens x top-2 / 5 experts, rounded up) and
+    # drops its own drop_and_pad branch; the backend ops must give what that branch gives
+    padded = dataclasses.replace(config, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    torch.manual_seed(1)
+    pmodel = GPTModel(padded, spec, vocab_size=64, max_sequence_length=16)
+    pmoe = pmodel.decoder.layers[0].mlp
+    pexpert_w1, _ = _expert_weights(pmoe.experts)
+    pruns = {}
+    for fused in (True, False):
+        padded.moe_permute_fusion = padded.moe_router_fusion = fused
+        pmodel.zero_grad()
+        before = {op: counted(op) for op in ("moe_permute", "moe_unpermute", "grouped_gemm")}
+        h = hidden.clone().requires_grad_()
+        y, _ = pmoe(h)
+        (y * torch.linspace(-1, 1, 32)).sum().backward()
+        pruns[fused] = (y.detach(), h.grad, pmoe.router.weight.grad.clone(), pexpert_w1("grad").clone())
+        out[f"padded_calls_fused_{fused}"] = {op: counted(op) - before[op] for op in before}
+    out["padded_capacity"] = pmoe.token_dispatcher.capacity
+    out["padded_matches_unfused"] = all(close(a, b, 1e-5) for a, b in zip(pruns[True], pruns[False]))
 
     # --moe-router-dtype fp32: the router GEMM (0.16 names te_general_gemm, left unbound without TE)
     from megatron.core.transformer.moe.moe_utils import router_gating_linear

@@ -1,6 +1,12 @@
 """MEGATRON_ADAPT_CUDA_GRAPHS: the switch that turns Megatron's --cuda-graph-impl local on through
 the wrapped `parse_args`, refuses configurations graphs cannot capture (naming why), and never
-overrides a launch's own flag. Each case in a fresh interpreter with the environment it needs."""
+overrides a launch's own flag. Each case in a fresh interpreter with the environment it needs.
+
+The MoE cases go through Megatron's real argument parser (`megatron.training.arguments.parse_args`
+with a stock command line), and where the switch turns graphs on, through Megatron's own
+`validate_args` and `TransformerConfig` (whose __post_init__ checks the graph scope against the MoE
+settings), so the configuration the switch chooses is one Megatron accepts. The backend is named
+cuda to the switch (the decision under test); the process itself runs the cpu backend."""
 import json
 import textwrap
 
@@ -32,8 +38,8 @@ def test_turns_graphs_on_where_they_capture(python, mode):
     proc = run_case(python, mode)
     assert proc.returncode == 0, proc.stderr
     assert "IMPL local" in proc.stdout
-    assert f"--cuda-graph-impl local (MEGATRON_ADAPT_CUDA_GRAPHS={mode})" in proc.stdout
-    assert "turned on Megatron's --cuda-graph-impl local" in proc.stderr
+    assert f"--cuda-graph-impl local (MEGATRON_ADAPT_CUDA_GRAPHS={mode}): whole layers" in proc.stdout
+    assert "turned on Megatron's --cuda-graph-impl local; captured: every transformer layer whole" in proc.stderr
 
 
 def test_off_leaves_megatron_alone(python):
@@ -48,7 +54,7 @@ def test_launch_flag_wins(python):
 
 @pytest.mark.parametrize("backend,experts,reason", [
     ("cpu", None, "CUDA graphs need the cuda backend (this process runs cpu)"),
-    ("cuda", 8, "MoE (--num-experts)"),
+    ("cuda", 8, "MoE with --moe-token-dispatcher-type allgather"),  # Megatron's default dispatcher
 ])
 def test_refusal_names_the_reason(python, backend, experts, reason):
     local = run_case(python, "local", backend=backend, experts=experts)
@@ -65,3 +71,139 @@ def test_unknown_mode_is_a_clear_error(python):
     proc = python("from megatron_adapt.config import Config; Config.resolve()", check=False,
                   env={"MEGATRON_ADAPT_CUDA_GRAPHS": "always"})
     assert proc.returncode != 0 and "MEGATRON_ADAPT_CUDA_GRAPHS='always': expected one of off, local, auto" in proc.stderr
+
+
+# ---- through Megatron's real parse_args ---------------------------------------------------------
+
+# One interpreter parses every command line of a test (importing megatron.training is the slow part):
+# per case, the switch's decision, its report entries and stderr line, and where it turned graphs
+# on, what Megatron's validate_args and TransformerConfig made of it.
+PARSE = textwrap.dedent("""
+    import contextlib, io, json, os, sys, types
+    import megatron_adapt
+    from megatron_adapt import report
+    megatron_adapt.apply("cpu", quiet=True)
+    try:
+        from megatron.training import arguments
+    except ImportError:       # megatron-core wheels before 0.17 ship no megatron.training
+        sys.path.append(os.environ["MEGATRON_LM_PATH"])
+        from megatron.training import arguments
+    from megatron.core import package_info
+    from megatron_adapt.patches.cuda_graphs import build_switch
+    scope_flag = "--cuda-graph-modules" if (package_info.MAJOR, package_info.MINOR) >= (0, 19) else "--cuda-graph-scope"
+    # the switch as the cuda backend applies it, around Megatron's own (unwrapped) parse_args
+    switch = build_switch(types.SimpleNamespace(name="cuda"), None)
+    for argv in {cases!r}:
+        report.reset_op_counts()
+        sys.argv = ["pretrain_gpt.py", *[scope_flag if a == "SCOPE" else a for a in argv]]
+        err, out = io.StringIO(), {{}}
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            ns = switch(arguments.parse_args.__wrapped__, None, (), {{}})
+            out["impl"] = ns.cuda_graph_impl
+            ops = report.as_dict()["ops"]
+            out["fallbacks"] = [o["fallback_reason"] for o in ops if o["fallback_reason"]]
+            out["switch"] = [o["implementation"] for o in ops if o["op"] == "cuda_graphs.switch"]
+            if ns.cuda_graph_impl == "local":          # Megatron's own checks of what the switch chose
+                arguments.validate_args(ns, {{}})
+                config = arguments.core_transformer_config_from_args(ns)
+                scopes = getattr(config, "cuda_graph_modules", getattr(config, "cuda_graph_scope", None))
+                out["config"] = [config.cuda_graph_impl, list(scopes), config.num_moe_experts,
+                                 config.moe_pad_expert_input_to_capacity]
+        out["stderr"] = err.getvalue()
+        print("CASE", json.dumps(out), flush=True)
+""")
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--train-iters", "2", "--lr", "1e-4",
+        "--bf16", "--disable-bias-linear"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-grouped-gemm", "--moe-permute-fusion",
+       "--moe-router-fusion", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2"]
+ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
+PADDED = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
+TO_PAD = "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity"
+
+
+def _training_importable():
+    import importlib.util
+    import os
+    if importlib.util.find_spec("megatron.training") is not None:
+        return True
+    from megatron_checkout import mismatch_reason
+    path = os.environ.get("MEGATRON_LM_PATH")
+    return bool(path) and os.path.isfile(os.path.join(path, "megatron", "training", "arguments.py")) \
+        and mismatch_reason(path) is None
+
+
+real_parser = pytest.mark.skipif(
+    not _training_importable(),
+    reason="needs megatron.training (megatron-core >= 0.17 wheels ship it; else MEGATRON_LM_PATH at a matching checkout)")
+
+
+def parse_cases(python, cases, mode="local", strict=False):
+    env = {"MEGATRON_ADAPT_CUDA_GRAPHS": mode, "MEGATRON_ADAPT_STRICT": "1" if strict else "0"}
+    proc = python(PARSE.format(cases=cases), env=env, check=False, timeout=900)
+    outs = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("CASE ")]
+    return proc, outs
+
+
+ACCEPTED = [
+    (TINY, "whole layers"),
+    (TINY + MOE + ALLTOALL + PADDED, "whole layers, MoE capacity-padded"),
+]
+REFUSED = [
+    (TINY + MOE + ALLTOALL, "dropless MoE (--num-experts without a capacity factor): the alltoall dispatcher "
+                            "copies every layer's per-expert token counts to the host"),
+    (TINY + MOE + ALLTOALL + ["--moe-expert-capacity-factor", "1.0"],
+     "MoE token dropping without padding (--moe-expert-capacity-factor without --moe-pad-expert-input-to-capacity)"),
+    (TINY + MOE + ALLTOALL + ["--moe-expert-capacity-factor", "-1", "--moe-pad-expert-input-to-capacity"],
+     "dropless MoE"),
+    (TINY + MOE + ["--moe-token-dispatcher-type", "allgather"] + PADDED,
+     "MoE with --moe-token-dispatcher-type allgather: its dispatch_postprocess reads the per-expert token "
+     "counts back to the host"),
+    (TINY + MOE + ALLTOALL + PADDED + ["SCOPE", "moe_router", "moe_preprocess"],
+     "MoE with --cuda-graph-modules moe_router moe_preprocess: under --cuda-graph-impl local GPT's "
+     "TransformerLayer graphs the whole layer for attn / mlp and builds no graph for moe"),
+    (TINY + ["--recompute-granularity", "full", "--recompute-method", "uniform"],
+     "--recompute-granularity full: Megatron allows full recompute only with the full_iteration graph"),
+]
+
+
+@real_parser
+def test_real_parser_decisions(python):
+    """Each command line through parse_args: accepted ones get --cuda-graph-impl local with the
+    whole-layer scope, which Megatron's validate_args and TransformerConfig take; refused ones stay
+    eager with the reason in the report (a fallback, under `local`) and on stderr; every MoE
+    refusal names what would capture. A launch's own --cuda-graph-impl is kept even for dropless
+    MoE (the user's call, checked by Megatron alone)."""
+    own_flag = TINY + MOE + ALLTOALL + ["--cuda-graph-impl", "local"]
+    cases = [argv for argv, _ in ACCEPTED + REFUSED] + [own_flag]
+    proc, outs = parse_cases(python, cases)
+    assert proc.returncode == 0 and len(outs) == len(cases), proc.stdout[-3000:] + proc.stderr[-3000:]
+    for (argv, scope), out in zip(ACCEPTED, outs):
+        assert out["impl"] == "local" and out["fallbacks"] == [], out
+        assert out["switch"] == [f"--cuda-graph-impl local (MEGATRON_ADAPT_CUDA_GRAPHS=local): {scope}"], out
+        moe = "--num-experts" in argv
+        # validate_args and TransformerConfig.__post_init__ took it: the local impl, whole-layer scope
+        assert out["config"] == ["local", [], 4 if moe else None, moe], out
+        captured = out["stderr"].split("captured: ", 1)[1].splitlines()[0]
+        assert captured.startswith("every transformer layer whole"), captured
+        assert ("capacity-padded permute, all-to-all, grouped experts, unpermute" in captured) == moe, captured
+        assert "eager: embedding, output layer, loss and optimizer" in captured, captured
+    for (argv, reason), out in zip(REFUSED, outs[len(ACCEPTED):]):
+        assert out["impl"] == "none" and len(out["fallbacks"]) == 1, out
+        assert out["fallbacks"][0].startswith(reason), out["fallbacks"][0]
+        assert f"MEGATRON_ADAPT_CUDA_GRAPHS=local: running eager: {reason}" in out["stderr"]
+        if "--num-experts" in argv:
+            assert TO_PAD in out["fallbacks"][0], out["fallbacks"][0]
+    own = outs[-1]
+    assert own["impl"] == "local" and own["switch"] == ["--cuda-graph-impl local (the launch's own flag kept)"], own
+
+
+@real_parser
+def test_real_parser_dropless_moe_auto_and_strict(python):
+    reason = "dropless MoE (--num-experts without a capacity factor)"
+    _, (auto,) = parse_cases(python, [TINY + MOE + ALLTOALL], mode="auto")
+    assert auto["impl"] == "none" and auto["fallbacks"] == [] and auto["switch"][0].startswith(f"eager (auto: {reason}")
+    strict, _ = parse_cases(python, [TINY + MOE + ALLTOALL], strict=True)
+    assert strict.returncode != 0 and "StrictFallbackError" in strict.stderr and reason in strict.stderr

@@ -377,6 +377,10 @@ class TestMoE(PatchContract):
         assert all(n >= 1 for n in fused.values()), fused   # every fused MoE op served by the backend
         assert not any(unfused.values()), unfused            # flags off: Megatron's own code
         assert res["layer_matches_unfused"], res
+        # capacity-padded dispatch: the fused permute / unpermute give Megatron's drop_and_pad branch
+        assert res["padded_capacity"] == 7 and res["padded_matches_unfused"], res
+        assert all(n >= 1 for n in res["padded_calls_fused_True"].values()), res
+        assert res["padded_calls_fused_False"]["moe_permute"] == 0, res
         # --moe-router-dtype fp32 (on 0.16 every router, without TE, NameErrors on te_general_gemm)
         assert res["router_fp32"] == {"dtype": "torch.float32", "matches": True, "grads_match": True}, res
 
