@@ -64,10 +64,12 @@ if triton is not None:
         else:         # delayed: the state's scale; this tensor's amax into the history row
             s = tl.load(scale_ptr)
             tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), 1), 0))
-        y = tl.minimum(tl.maximum(x * s, -FP8_MAX), FP8_MAX).to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + rm[:, None] * N + rn[None, :], y, mask=mask)
-        if TRANSPOSE:
-            tl.store(yt_ptr + rn[:, None] * M + rm[None, :], tl.trans(y), mask=tl.trans(mask))
+        yc = tl.minimum(tl.maximum(x * s, -FP8_MAX), FP8_MAX)
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], yc.to(y_ptr.dtype.element_ty), mask=mask)
+        if TRANSPOSE:   # transposed in fp32, then cast: the same rounding as y (an 8-bit tl.trans
+            # stored wrong elements on an H100 with Triton 3.6)
+            tl.store(yt_ptr + rn[:, None] * M + rm[None, :], tl.trans(yc).to(yt_ptr.dtype.element_ty),
+                     mask=(rn[:, None] < N) & (rm[None, :] < M))
         if (pm == 0) & (pn == 0):
             tl.store(scale_inv_ptr, 1.0 / s)
 

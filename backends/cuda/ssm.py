@@ -64,7 +64,7 @@ def _dt_cumsum(DT, s_db, s_dl, s_dh, BIAS, A, DTP, ACS, L, H, NC, lo, hi,
 def _chunk_state(X, s_xb, s_xl, s_xh, s_xp, Y, s_yb, s_yl, s_yg, s_yn, DTP, ACS, OUT,
                  L, H, G, P, N, NC,
                  REVERSE: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr,
-                 BN: tl.constexpr):
+                 BN: tl.constexpr, PREC: tl.constexpr):
     """OUT[b, c, h] (p x n) = sum_j w_j X_j^T Y_j over the chunk: forward (X = x, Y = B)
     w_j = exp(a_Q - a_j) dt'_j; REVERSE (X = dy, Y = C) w_j = exp(a_j)."""
     pid, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -91,7 +91,7 @@ def _chunk_state(X, s_xb, s_xl, s_xh, s_xp, Y, s_yb, s_yl, s_yg, s_yn, DTP, ACS,
                     mask=mt[:, None] & (rp[None, :] < P), other=0.0).to(tl.float32)
         y = tl.load(Y + b.to(tl.int64) * s_yb + t.to(tl.int64)[:, None] * s_yl + g * s_yg + rn[None, :] * s_yn,
                     mask=mt[:, None] & (rn[None, :] < N), other=0.0).to(tl.float32)
-        acc += tl.dot(tl.trans(x * w[:, None]), y)
+        acc += tl.dot(tl.trans(x * w[:, None]), y, input_precision=PREC)
     o = (((b.to(tl.int64) * NC + c) * H + h) * P + rp[:, None]) * N + rn[None, :]
     tl.store(OUT + o, acc, mask=(rp[:, None] < P) & (rn[None, :] < N))
 
@@ -127,7 +127,7 @@ def _chunk_out(X, s_xb, s_xl, s_xh, s_xp, Bm, Cm, s_bb, s_bl, s_bg, s_bn, Z, s_z
                D, DTP, ACS, STATES, OUT, YPRE, L, H, G, P, N, NC,
                HAS_D: tl.constexpr, D_PER_P: tl.constexpr, HAS_Z: tl.constexpr,
                Q: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
-               BN: tl.constexpr):
+               BN: tl.constexpr, PREC: tl.constexpr):
     """out rows [i0, i0 + BM) x columns of a p-block of one chunk of one head (OUT, YPRE
     contiguous [b, l, h, p]; YPRE = y before the z gate, kept for the backward)."""
     pid, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -148,7 +148,7 @@ def _chunk_out(X, s_xb, s_xl, s_xh, s_xp, Bm, Cm, s_bb, s_bl, s_bg, s_bn, Z, s_z
     so = ((b.to(tl.int64) * NC + c) * H + h) * P * N
     hs = tl.load(STATES + so + rp[None, :] * N + rn[:, None], mask=(rp[None, :] < P) & (rn[:, None] < N),
                  other=0.0)                                                        # [n, p]
-    acc = tl.dot(cm, hs) * tl.exp(a_i)[:, None]
+    acc = tl.dot(cm, hs, input_precision=PREC) * tl.exp(a_i)[:, None]
     for k0 in range(0, (im + 1) * BM, BK):
         rk = k0 + tl.arange(0, BK)
         tk = c * Q + rk
@@ -157,12 +157,12 @@ def _chunk_out(X, s_xb, s_xl, s_xh, s_xp, Bm, Cm, s_bb, s_bl, s_bg, s_bn, Z, s_z
         dt_k = tl.load(DTP + base + rk)
         bk = tl.load(Bm + b.to(tl.int64) * s_bb + tk.to(tl.int64)[:, None] * s_bl + g * s_bg + rn[None, :] * s_bn,
                      mask=mk[:, None] & (rn[None, :] < N), other=0.0).to(tl.float32)
-        cb = tl.dot(cm, tl.trans(bk))                                              # [BM, BK]
+        cb = tl.dot(cm, tl.trans(bk), input_precision=PREC)  # [BM, BK]
         keep = ri[:, None] >= rk[None, :]
         cb = tl.where(keep, cb * tl.exp(tl.where(keep, a_i[:, None] - a_k[None, :], 0.0)), 0.0) * dt_k[None, :]
         xk = tl.load(X + b.to(tl.int64) * s_xb + tk.to(tl.int64)[:, None] * s_xl + h * s_xh + rp[None, :] * s_xp,
                      mask=mk[:, None] & (rp[None, :] < P), other=0.0).to(tl.float32)
-        acc += tl.dot(cb, xk)
+        acc += tl.dot(cb, xk, input_precision=PREC)
     mo = mi[:, None] & (rp[None, :] < P)
     if HAS_D:
         xi = tl.load(X + b.to(tl.int64) * s_xb + ti.to(tl.int64)[:, None] * s_xl + h * s_xh + rp[None, :] * s_xp,
@@ -185,7 +185,7 @@ def _chunk_out(X, s_xb, s_xl, s_xh, s_xp, Bm, Cm, s_bb, s_bl, s_bg, s_bn, Z, s_z
 def _chunk_bwd_dx(X, s_xb, s_xl, s_xh, s_xp, Bm, Cm, s_bb, s_bl, s_bg, s_bn, DY, D, DTP, ACS, GS,
                   DX, DB, DDT, DACOL, PEND, DDP, L, H, G, P, N, NC,
                   HAS_D: tl.constexpr, D_PER_P: tl.constexpr, Q: tl.constexpr, BJ: tl.constexpr,
-                  BI: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
+                  BI: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
     """Column block j of one chunk of one head: dx_j, dB_j (this head's part), d dt'_j, and the
     column part of d a_j. DY: contiguous [b, l, h, p] fp32; GS[b, c, h] = dL/dH_c."""
     jb, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -219,18 +219,18 @@ def _chunk_bwd_dx(X, s_xb, s_xl, s_xh, s_xp, Bm, Cm, s_bb, s_bl, s_bg, s_bn, DY,
                       mask=mi[:, None] & mp[None, :], other=0.0)
         keep = rj[:, None] <= ri[None, :]
         e = tl.where(keep, tl.exp(tl.where(keep, a_i[None, :] - a_j[:, None], 0.0)), 0.0)   # [BJ, BI]
-        w = tl.dot(bj, tl.trans(ci)) * e                                           # (C_i.B_j) E_ij
-        v = tl.dot(xj, tl.trans(dyi)) * e                                          # (dy_i.x_j) E_ij
-        dx += tl.dot(w * dt_j[:, None], dyi)
-        db += tl.dot(v, ci)
-        coln += tl.sum(w * tl.dot(xj, tl.trans(dyi)), axis=1)
+        w = tl.dot(bj, tl.trans(ci), input_precision=PREC) * e                                           # (C_i.B_j) E_ij
+        v = tl.dot(xj, tl.trans(dyi), input_precision=PREC) * e                                          # (dy_i.x_j) E_ij
+        dx += tl.dot(w * dt_j[:, None], dyi, input_precision=PREC)
+        db += tl.dot(v, ci, input_precision=PREC)
+        coln += tl.sum(w * tl.dot(xj, tl.trans(dyi), input_precision=PREC), axis=1)
     # through the chunk's state S_c = sum_j exp(a_Q - a_j) dt'_j x_j B_j^T
     go = ((b.to(tl.int64) * NC + c) * H + h) * P * N
     gs = tl.load(GS + go + rp[:, None] * N + rn[None, :], mask=mp[:, None] & mn[None, :], other=0.0)  # [p, n]
     s = tl.where(mj, tl.exp(a_last - a_j), 0.0)
-    xg = tl.dot(xj, gs)                                                            # [BJ, n]
+    xg = tl.dot(xj, gs, input_precision=PREC)                                                            # [BJ, n]
     db = db * dt_j[:, None] + (s * dt_j)[:, None] * xg
-    dx += (s * dt_j)[:, None] * tl.dot(bj, tl.trans(gs))
+    dx += (s * dt_j)[:, None] * tl.dot(bj, tl.trans(gs), input_precision=PREC)
     pj = s * tl.sum(xg * bj, axis=1)
     ddt = coln + pj
     if HAS_D:
@@ -256,7 +256,7 @@ def _chunk_bwd_dx(X, s_xb, s_xl, s_xh, s_xp, Bm, Cm, s_bb, s_bl, s_bg, s_bn, DY,
 def _chunk_bwd_dc(X, s_xb, s_xl, s_xh, s_xp, Bm, Cm, s_bb, s_bl, s_bg, s_bn, DY, DTP, ACS, STATES,
                   DC, DAROW, L, H, G, P, N, NC,
                   Q: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
-                  BN: tl.constexpr):
+                  BN: tl.constexpr, PREC: tl.constexpr):
     """Row block i of one chunk of one head: dC_i (this head's part) and the row part of d a_i."""
     ib, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = bh // H, bh % H
@@ -287,12 +287,12 @@ def _chunk_bwd_dc(X, s_xb, s_xl, s_xh, s_xp, Bm, Cm, s_bb, s_bl, s_bg, s_bn, DY,
                      mask=mj[:, None] & mp[None, :], other=0.0).to(tl.float32)
         keep = ri[:, None] >= rj[None, :]
         e = tl.where(keep, tl.exp(tl.where(keep, a_i[:, None] - a_j[None, :], 0.0)), 0.0)   # [BI, BJ]
-        v = tl.dot(dyi, tl.trans(xj)) * e * dt_j[None, :]
-        dc += tl.dot(v, bj)
-        rowm += tl.sum(v * tl.dot(ci, tl.trans(bj)), axis=1)
+        v = tl.dot(dyi, tl.trans(xj), input_precision=PREC) * e * dt_j[None, :]
+        dc += tl.dot(v, bj, input_precision=PREC)
+        rowm += tl.sum(v * tl.dot(ci, tl.trans(bj), input_precision=PREC), axis=1)
     so = ((b.to(tl.int64) * NC + c) * H + h) * P * N
     hs = tl.load(STATES + so + rp[:, None] * N + rn[None, :], mask=mp[:, None] & mn[None, :], other=0.0)  # [p, n]
-    t = tl.dot(dyi, hs) * tl.where(mi, tl.exp(a_i), 0.0)[:, None]                  # [BI, n]
+    t = tl.dot(dyi, hs, input_precision=PREC) * tl.where(mi, tl.exp(a_i), 0.0)[:, None]                  # [BI, n]
     dc += t
     rowm += tl.sum(t * ci, axis=1)
     o = ((b.to(tl.int64) * L + ti.to(tl.int64)[:, None]) * H + h)
@@ -301,6 +301,12 @@ def _chunk_bwd_dc(X, s_xb, s_xl, s_xh, s_xp, Bm, Cm, s_bb, s_bl, s_bg, s_bn, DY,
 
 
 # ----------------------------------------------------------------------------- SSD: host side
+def _prec(x):
+    """tl.dot's precision for fp32 operands: IEEE fp32 for fp32 inputs (Triton's default, TF32,
+    misses the fp32 reference by ~1e-3), TF32 for the fp32 intermediates of bf16 / fp16 inputs."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
 def _strides4(t):
     return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
 
@@ -328,7 +334,7 @@ def _forward(x, dt, A, B, C, Q, D, z, dt_bias, dt_softplus, dt_limit, init):
     bp_s, bn_s = min(BP, 64), min(BN, 64)
     grid = (cdiv(p, bp_s) * cdiv(n, bn_s), nc, b * h)
     _chunk_state[grid](x, *_strides4(x), B, *_strides4(B), dtp, acs, chunk_states, l, h, g, p, n, nc,
-                       REVERSE=False, Q=Q, BQ=min(Q, 32), BP=bp_s, BN=bn_s)
+                       REVERSE=False, Q=Q, BQ=min(Q, 32), BP=bp_s, BN=bn_s, PREC=_prec(x))
     states = torch.empty(b, nc, h, p, n, **f32)
     final = torch.empty(b, h, p, n, **f32)
     blk = 256
@@ -343,7 +349,7 @@ def _forward(x, dt, A, B, C, Q, D, z, dt_bias, dt_softplus, dt_limit, init):
     _chunk_out[grid](x, *_strides4(x), B, C, *_strides4(B), zz, *_strides4(zz),
                      D if D is not None else x, dtp, acs, states, out, ypre, l, h, g, p, n, nc,
                      HAS_D=D is not None, D_PER_P=D is not None and D.dim() == 2, HAS_Z=z is not None,
-                     Q=Q, BM=BM, BK=BM, BP=bp_o, BN=BN)
+                     Q=Q, BM=BM, BK=BM, BP=bp_o, BN=BN, PREC=_prec(x))
     return out, final, (dtp, acs, states, ypre if z is not None else None)
 
 
@@ -381,7 +387,7 @@ class _SSDScan(torch.autograd.Function):
         dy4 = dy
         _chunk_state[(cdiv(p, bp_s) * cdiv(n, bn_s), nc, b * h)](
             dy4, *_strides4(dy4), C, *_strides4(C), dtp, acs, dstate_in, l, h, g, p, n, nc,
-            REVERSE=True, Q=Q, BQ=min(Q, 32), BP=bp_s, BN=bn_s)
+            REVERSE=True, Q=Q, BQ=min(Q, 32), BP=bp_s, BN=bn_s, PREC=_prec(x))
         gstates = torch.empty(b, nc, h, p, n, **f32)
         dinit = torch.empty(b, h, p, n, **f32)
         dlast = dfinal.float().contiguous() if dfinal is not None else None
@@ -402,9 +408,9 @@ class _SSDScan(torch.autograd.Function):
         _chunk_bwd_dx[(nj, nc, b * h)](x, *_strides4(x), B, C, *_strides4(B), dy, D if D is not None else x,
                                        dtp, acs, gstates, dx, dBh, ddt, dacol, pend, ddp, l, h, g, p, n, nc,
                                        HAS_D=D is not None, D_PER_P=D is not None and D.dim() == 2,
-                                       Q=Q, BJ=BJ, BI=BJ, BP=BP, BN=BN)
+                                       Q=Q, BJ=BJ, BI=BJ, BP=BP, BN=BN, PREC=_prec(x))
         _chunk_bwd_dc[(nj, nc, b * h)](x, *_strides4(x), B, C, *_strides4(B), dy, dtp, acs, states,
-                                       dCh, darow, l, h, g, p, n, nc, Q=Q, BI=BJ, BJ=BJ, BP=BP, BN=BN)
+                                       dCh, darow, l, h, g, p, n, nc, Q=Q, BI=BJ, BJ=BJ, BP=BP, BN=BN, PREC=_prec(x))
         # d a -> d (dt' A): the state carried across each chunk and the chunk-state terms meet at a_Q
         da = darow + dacol
         decay = torch.exp(acs[..., -1])                                             # [b, h, nc]
