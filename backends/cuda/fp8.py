@@ -66,9 +66,12 @@ if triton is not None:
             tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), 1), 0))
         yc = tl.minimum(tl.maximum(x * s, -FP8_MAX), FP8_MAX)
         tl.store(y_ptr + rm[:, None] * N + rn[None, :], yc.to(y_ptr.dtype.element_ty), mask=mask)
-        if TRANSPOSE:   # transposed in fp32, then cast: the same rounding as y (an 8-bit tl.trans
-            # stored wrong elements on an H100 with Triton 3.6)
-            tl.store(yt_ptr + rn[:, None] * M + rm[None, :], tl.trans(yc).to(yt_ptr.dtype.element_ty),
+        if TRANSPOSE:   # the tile loaded again in transposed order and cast the same way: no
+            # tl.trans (an fp8 and an fp32 tl.trans both stored wrong elements on an H100, Triton 3.6)
+            xt = tl.load(x_ptr + rm[None, :] * stride_xm + rn[:, None],
+                         mask=(rn[:, None] < N) & (rm[None, :] < M), other=0.0).to(tl.float32)
+            yct = tl.minimum(tl.maximum(xt * s, -FP8_MAX), FP8_MAX)
+            tl.store(yt_ptr + rn[:, None] * M + rm[None, :], yct.to(yt_ptr.dtype.element_ty),
                      mask=(rn[:, None] < N) & (rm[None, :] < M))
         if (pm == 0) & (pn == 0):
             tl.store(scale_inv_ptr, 1.0 / s)

@@ -92,7 +92,8 @@ def offsets_on_device(sizes: list[int], device) -> torch.Tensor:
     end = 0
     for i, n in enumerate(sizes):
         end += n
-        out[i] = end  # a fill kernel: the value travels as a kernel argument
+        out[i].fill_(end)  # a fill kernel with the value as its argument (`out[i] = end` copies
+        # a host scalar, which a CUDA graph capture refuses)
     return out
 
 

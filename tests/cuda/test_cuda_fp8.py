@@ -24,6 +24,18 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
+def exact_tol(ref, forward):
+    """Against the fp32 emulation of the same fp8 operands. On CPU the GEMM is that emulation
+    (exact to accumulation order). On a GPU the forward runs cuBLAS's fp8 GEMM with fast
+    accumulation, as TE's forward does: Hopper accumulates it at reduced precision (an H100 gave
+    3.9e-4 off an fp32 sum of outputs ~0.5), so it gets 2e-3 of the output's scale; dgrad and wgrad
+    accumulate in full fp32 and differ by summation order only."""
+    scale = ref.abs().max().item()
+    if DEV == "cpu":
+        return dict(rtol=1e-5, atol=1e-5 * max(scale, 1e-2))
+    return dict(rtol=2e-3, atol=2e-3 * scale) if forward else dict(rtol=1e-5, atol=1e-5 * scale)
+
+
 def cast(x, scale, dtype):
     """Emulated quantization: saturate(x * scale) in fp32, torch's round-to-nearest-even cast."""
     m = FP8_MAX[dtype]
@@ -106,10 +118,10 @@ def test_linear_tensorwise_forward_dgrad_wgrad(torch_cast_on_cpu, fmt, dtype, bi
         y_e = y_e + b.detach().float()
         torch.testing.assert_close(b.grad.float(), dy2.float().sum(0), rtol=1e-2, atol=1e-2)
     # exact to accumulation order (and the output dtype's rounding) against the emulation
-    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(y.reshape(T, N).float(), y_e, **tol)
-    torch.testing.assert_close(x.grad.reshape(T, K).float(), dx_e, **tol)
-    torch.testing.assert_close(w.grad.float(), dw_e, **tol)
+    bf16 = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else None
+    torch.testing.assert_close(y.reshape(T, N).float(), y_e, **(bf16 or exact_tol(y_e, True)))
+    torch.testing.assert_close(x.grad.reshape(T, K).float(), dx_e, **(bf16 or exact_tol(dx_e, False)))
+    torch.testing.assert_close(w.grad.float(), dw_e, **(bf16 or exact_tol(dw_e, False)))
     # and within fp8's error of the fp32 product: e4m3 ~2^-4 per element, e5m2 ~2^-3
     xf, wf, dyf = x2.float(), w.detach().float(), dy2.float()
 
@@ -158,9 +170,10 @@ def test_linear_delayed_uses_history_scales_and_updates_them(torch_cast_on_cpu):
     xq = cast(x.detach(), sx, E4).float() / sx
     wq = cast(w.detach(), sw, E4).float() / sw
     dyq = cast(dy, sg, E5).float() / sg
-    torch.testing.assert_close(y, xq @ wq.t(), rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(x.grad, dyq @ wq, rtol=1e-5, atol=1e-9)
-    torch.testing.assert_close(w.grad, dyq.t() @ xq, rtol=1e-5, atol=1e-9)
+    y_e, dx_e, dw_e = xq @ wq.t(), dyq @ wq, dyq.t() @ xq
+    torch.testing.assert_close(y, y_e, **exact_tol(y_e, True))
+    torch.testing.assert_close(x.grad, dx_e, **exact_tol(dx_e, False))
+    torch.testing.assert_close(w.grad, dw_e, **exact_tol(dw_e, False))
 
 
 def test_wgrad_sink_gets_fp32_and_its_return_is_the_grad(torch_cast_on_cpu):

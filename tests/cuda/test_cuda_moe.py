@@ -131,7 +131,7 @@ def _padded_moe_step(x, router_w, w1, topk, capacity, m_splits, cuda_moe):
     probs = probs * routing_map
     permuted, pprobs, row_map = cuda_moe.moe_permute(x, routing_map, probs, capacity * e)
     h = cuda_moe.grouped_gemm(permuted, w1, m_splits, True)
-    y = cuda_moe.moe_unpermute(h, row_map, x.shape, probs)
+    y = cuda_moe.moe_unpermute(h, row_map, (x.shape[0], h.shape[1]), probs)
     loss = y.float().square().mean()
     return (loss, *torch.autograd.grad(loss, (x, router_w, w1)))
 
