@@ -13,6 +13,10 @@ import megatron_adapt  # noqa: E402
 from megatron_adapt import applier  # noqa: E402
 
 megatron_adapt.apply("cpu", quiet=True)
+from megatron.core import config as mcore_config  # noqa: E402
+
+mcore_config.set_experimental_flag(True)   # core 0.15 gates its fused MLA rope as experimental
+# (a user passes --enable-experimental there); later releases ignore the flag for it
 from megatron.core.fusions import fused_mla_yarn_rope_apply as kernels  # noqa: E402
 from megatron.core.transformer import multi_latent_attention as mla  # noqa: E402
 
