@@ -7,9 +7,10 @@ in bf16 and say nothing. This area makes that impossible:
   area from Megatron-LM's `set_global_variables`, right after its arguments are parsed and
   validated, and from `TransformerConfig.__post_init__` for megatron-core users) checks the fp8 /
   fp4 settings against the backend: a backend whose `fp8_unavailable` op gives a reason (cpu, npu,
-  a CUDA GPU before sm89) refuses `--fp8-format` naming the flag, the backend and that reason; `--fp4-format` is refused on
-  every backend; so are the fp8 features no linear here serves (`--fp8-recipe blockwise|mxfp8|
-  custom`, `--fp8-param-gather`, fp8 attention, fp8 MoE experts, `--transformer-impl local`,
+  a CUDA GPU before sm89) refuses `--fp8-format` naming the flag, the backend and that reason;
+  `--fp4-format` is refused on every backend; so are the fp8 features no linear here serves
+  (`--fp8-recipe blockwise|mxfp8|custom`, `--fp8-param-gather`, fp8 attention, fp8 MoE experts,
+  `--transformer-impl local`,
   `--cuda-graph-impl local` (its fp8 handling is TE's FP8GlobalStateManager) and
   `--recompute-granularity full` (Megatron recomputes fp8 layers with TE's checkpoint).
 * The context. `megatron.core.fp8_utils:get_fp8_context` is replaced: Megatron's own callers
