@@ -27,6 +27,8 @@ the script asks for the spec, before any module is built:
 """
 from __future__ import annotations
 
+import inspect
+
 from megatron_adapt import start_checks
 from megatron_adapt.spec import WRAP, PatchSpec, SkipPatch
 from megatron_adapt.start_checks import where
@@ -115,21 +117,29 @@ HETERO_WHY = ("the heterogeneous transformer_engine spec names Transformer Engin
               "Megatron's own modules")
 
 
-def _spec_refusal(what: str, why: str, when=lambda *a, **k: True):
+def _spec_refusal(what: str, why: str, when: str | None = None):
+    """A wrapper refusing every call, or (`when`: a parameter name of the spec function) the calls
+    in which that parameter, as bound with its default, is true."""
     def build(backend, original):
         if start_checks.te_installed():
             raise SkipPatch("Transformer Engine is installed: its modules serve this spec")
+        signature = inspect.signature(original)
 
         def refuse_spec(wrapped, instance, args, kwargs):
-            if when(*args, **kwargs):
+            if when is None or _bound(signature, args, kwargs).get(when):
                 start_checks.refuse(f"{what}: {where(backend)} cannot build it: {why}.")
             return wrapped(*args, **kwargs)
         return refuse_spec
     return build
 
 
-def _uses_te(config, use_te: bool = False, *args, **kwargs) -> bool:   # Megatron's default
-    return bool(use_te)
+def _bound(signature, args, kwargs) -> dict:
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return {}       # Megatron raises its own error for a call its function does not take
+    bound.apply_defaults()
+    return bound.arguments
 
 
 T5 = "megatron.core.models.T5.t5_spec"
@@ -149,5 +159,5 @@ SPECS = [
                                   BERT_WHY)),
     PatchSpec(f"{HETERO}:get_gpt_heterogeneous_layer_spec", area=AREA, mode=WRAP,
               build=_spec_refusal("--heterogeneous-layers-config-path with --transformer-impl "
-                                  "transformer_engine", HETERO_WHY, when=_uses_te)),
+                                  "transformer_engine", HETERO_WHY, when="use_te")),
 ]

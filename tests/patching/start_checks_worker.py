@@ -96,7 +96,9 @@ def specs():
         _init()
         config = hetero_config(tmp)
         outcome("hetero_te", lambda: get_gpt_heterogeneous_layer_spec(config, use_te=True))
+        outcome("hetero_te_positional", lambda: get_gpt_heterogeneous_layer_spec(config, True))
         outcome("hetero_local", lambda: get_gpt_heterogeneous_layer_spec(config, use_te=False))
+        outcome("hetero_default", lambda: get_gpt_heterogeneous_layer_spec(config))   # use_te=False
 
 
 def _init():

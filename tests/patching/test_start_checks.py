@@ -71,9 +71,10 @@ class TestLayerSpecs:
 
     def test_heterogeneous_te_refused_local_served(self):
         res = worker("specs")
-        assert res["hetero_te"].startswith(f"{REFUSED}--heterogeneous-layers-config-path with --transformer-impl "
-                                           "transformer_engine: the cpu backend cannot build it"), res["hetero_te"]
-        assert res["hetero_local"] == "built"
+        for key in ("hetero_te", "hetero_te_positional"):
+            assert res[key].startswith(f"{REFUSED}--heterogeneous-layers-config-path with --transformer-impl "
+                                       "transformer_engine: the cpu backend cannot build it"), res[key]
+        assert res["hetero_local"] == res["hetero_default"] == "built"
 
     def test_heterogeneous_local_model_trains_a_step(self):
         """What the refusal points to works: per-layer ffn sizes and a no-op attention, forward and backward."""
