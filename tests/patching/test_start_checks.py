@@ -135,3 +135,29 @@ def test_disabling_an_area_drops_only_its_checks():
     res = _args_results((("MEGATRON_ADAPT_DISABLE", "fp8"),))
     assert res[" ".join(TINY + ["--fp8-format", "hybrid", "--bf16"])] == "passed"
     assert res[" ".join(TINY + ["--cpu-offloading-num-layers", "1"])].startswith(REFUSED)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "npu"])
+@pytest.mark.parametrize("settings,expected", [
+    ({"cpu_offloading": True, "cpu_offloading_num_layers": 2}, "--cpu-offloading-num-layers 2 (cpu_offloading)"),
+    ({"fine_grained_activation_offloading": True}, "--fine-grained-activation-offloading"),
+    ({"delay_wgrad_compute": True}, "--delay-wgrad-compute"),
+    ({"multi_latent_attention": True, "transformer_impl": "local"}, "--multi-latent-attention --transformer-impl local"),
+    ({"multi_latent_attention": True, "transformer_impl": "transformer_engine"}, None),
+    ({"cpu_offloading": False, "delay_wgrad_compute": False}, None),
+])
+def test_refusals_name_every_backend(backend, settings, expected):
+    """The accelerator backends refuse the same features (none of them serves TE's offloading or
+    split wgrad pass), naming themselves; the host-memory remark is the cpu backend's only."""
+    import types
+
+    from megatron_adapt.patches import start_checks as area
+
+    b = types.SimpleNamespace(name=backend)
+    got = [why for check in (area.offloading_refusal, area.wgrad_refusal, area.mla_local_refusal)
+           if (why := check(b, settings))]
+    if expected is None:
+        assert not got, got
+        return
+    assert len(got) == 1 and got[0].startswith(f"{expected}: the {backend} backend cannot run it: "), got
+    assert "host memory" not in got[0]
