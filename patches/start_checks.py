@@ -12,7 +12,8 @@ Megatron-LM's `set_global_variables` (right after argument validation) and from
   weight-gradient pass (`backward_dw`) is not served (the grouped expert linear refused it at build).
 * `--multi-latent-attention --transformer-impl local`: Megatron's local spec gives MLA a
   DotProductAttention, which takes no k_channels / v_channels (TypeError at model build). MLA is
-  served through the transformer_engine spec.
+  served through the transformer_engine spec. Refused also where a megatron-core user asks the
+  local spec builder for MLA (`get_gpt_layer_local_spec(multi_latent_attention=True)`).
 
 Model families whose layer specs name TE's classes directly (not through the TESpecProvider seam
 that patches/layer_specs serves) cannot be told apart by their arguments, so they are refused where
@@ -79,13 +80,15 @@ def wgrad_refusal(backend, s: dict) -> str | None:
     return None
 
 
+MLA_LOCAL_WHY = ("Megatron's local spec builds MLA's core attention from DotProductAttention, which "
+                 "takes no k_channels / v_channels (TypeError at model build without TE). "
+                 "megatron-adapt serves MLA through the transformer_engine spec")
+
+
 def mla_local_refusal(backend, s: dict) -> str | None:
     if s.get("multi_latent_attention") and s.get("transformer_impl") == "local":
         return (f"--multi-latent-attention --transformer-impl local: {where(backend)} cannot run it: "
-                f"Megatron's local spec builds MLA's core attention from DotProductAttention, which "
-                f"takes no k_channels / v_channels (TypeError at model build without TE). "
-                f"megatron-adapt serves MLA through the transformer_engine spec: drop "
-                f"--transformer-impl local.")
+                f"{MLA_LOCAL_WHY}: drop --transformer-impl local.")
     return None
 
 
@@ -142,6 +145,7 @@ def _bound(signature, args, kwargs) -> dict:
     return bound.arguments
 
 
+GPT_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
 T5 = "megatron.core.models.T5.t5_spec"
 BERT = "megatron.core.models.bert.bert_layer_specs"
 HETERO = "megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs"
@@ -157,6 +161,14 @@ SPECS = [
     PatchSpec(f"{BERT}:get_bert_layer_with_transformer_engine_spec", area=AREA, mode=WRAP,
               build=_spec_refusal("BERT with the transformer_engine layer spec (pretrain_bert.py)",
                                   BERT_WHY)),
+    # megatron-core users who build the local spec for MLA (the config check sees transformer_impl
+    # only). From 0.19 get_gpt_layer_local_spec(*args, **kwargs) delegates to the submodules builder.
+    PatchSpec(f"{GPT_SPECS}:get_gpt_layer_local_spec", area=AREA, mode=WRAP,
+              build=_spec_refusal("get_gpt_layer_local_spec(multi_latent_attention=True)", MLA_LOCAL_WHY,
+                                  when="multi_latent_attention")),
+    PatchSpec(f"{GPT_SPECS}:get_gpt_layer_local_submodules", area=AREA, mode=WRAP, versions=">=0.19.0,<0.20.0",
+              build=_spec_refusal("get_gpt_layer_local_submodules(multi_latent_attention=True)", MLA_LOCAL_WHY,
+                                  when="multi_latent_attention")),
     PatchSpec(f"{HETERO}:get_gpt_heterogeneous_layer_spec", area=AREA, mode=WRAP,
               build=_spec_refusal("--heterogeneous-layers-config-path with --transformer-impl "
                                   "transformer_engine", HETERO_WHY, when="use_te")),

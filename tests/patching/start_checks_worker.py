@@ -89,6 +89,17 @@ def specs():
         for impl in ("transformer_engine", "local"):
             name = f"get_t5_{part}_with_{impl}_block_spec"
             outcome(name, lambda name=name: getattr(t5_spec, name)(2))
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer import MLATransformerConfig
+
+    outcome("mla_local_spec", lambda: gpt_layer_specs.get_gpt_layer_local_spec(multi_latent_attention=True))
+    outcome("local_spec", gpt_layer_specs.get_gpt_layer_local_spec)
+    mla = MLATransformerConfig(**BASE, multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16,
+                               qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)
+    outcome("mla_local_block_spec", lambda: gpt_layer_specs.get_gpt_decoder_block_spec(
+        mla, use_transformer_engine=False))
+    outcome("mla_te_spec", lambda: gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+        multi_latent_attention=True))
     outcome("bert_te", bert_layer_specs.get_bert_layer_with_transformer_engine_spec)
     outcome("bert_te_attribute", lambda: bert_layer_specs.bert_layer_with_transformer_engine_spec)
     outcome("bert_local", lambda: bert_layer_specs.bert_layer_local_spec)

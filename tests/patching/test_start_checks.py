@@ -66,6 +66,18 @@ class TestLayerSpecs:
         assert got.startswith(f"{REFUSED}BERT with the transformer_engine layer spec (pretrain_bert.py): the "
                               "cpu backend cannot build it"), got
 
+    @pytest.mark.parametrize("key", ["mla_local_spec", "mla_local_block_spec"])
+    def test_mla_local_spec_refused(self, key):
+        """megatron-core users asking the local spec for MLA (directly, or through the decoder block
+        spec with use_transformer_engine=False), whatever their config's transformer_impl says."""
+        got = worker("specs")[key]
+        assert got.startswith(f"{REFUSED}get_gpt_layer_local_spec(multi_latent_attention=True): the cpu "
+                              "backend cannot build it: Megatron's local spec builds MLA's core attention"), got
+
+    @pytest.mark.parametrize("key", ["local_spec", "mla_te_spec"])
+    def test_served_gpt_specs_build(self, key):
+        assert worker("specs")[key] == "built"
+
     def test_bert_local_spec_untouched(self):
         assert worker("specs")["bert_local"] == "built"
 
