@@ -162,11 +162,11 @@ SPECS = [
               build=_spec_refusal("BERT with the transformer_engine layer spec (pretrain_bert.py)",
                                   BERT_WHY)),
     # megatron-core users who build the local spec for MLA (the config check sees transformer_impl
-    # only). From 0.19 get_gpt_layer_local_spec(*args, **kwargs) delegates to the submodules builder.
+    # only). From 0.17 get_gpt_layer_local_spec(*args, **kwargs) delegates to the submodules builder.
     PatchSpec(f"{GPT_SPECS}:get_gpt_layer_local_spec", area=AREA, mode=WRAP,
               build=_spec_refusal("get_gpt_layer_local_spec(multi_latent_attention=True)", MLA_LOCAL_WHY,
                                   when="multi_latent_attention")),
-    PatchSpec(f"{GPT_SPECS}:get_gpt_layer_local_submodules", area=AREA, mode=WRAP, versions=">=0.19.0,<0.20.0",
+    PatchSpec(f"{GPT_SPECS}:get_gpt_layer_local_submodules", area=AREA, mode=WRAP, versions=">=0.17.0,<0.20.0",
               build=_spec_refusal("get_gpt_layer_local_submodules(multi_latent_attention=True)", MLA_LOCAL_WHY,
                                   when="multi_latent_attention")),
     PatchSpec(f"{HETERO}:get_gpt_heterogeneous_layer_spec", area=AREA, mode=WRAP,

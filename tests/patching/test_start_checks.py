@@ -40,7 +40,10 @@ class TestConfig:
                       "cannot run it: Megatron's local spec builds MLA's core attention from DotProductAttention"),
     ])
     def test_refused(self, key, expected):
-        assert worker("config")[key].startswith(REFUSED + expected), worker("config")[key]
+        got = worker("config")[key]
+        if got == "absent":
+            pytest.skip(f"this megatron-core's TransformerConfig has no {key}")
+        assert got.startswith(REFUSED + expected), got
 
     @pytest.mark.parametrize("key", ["plain", "mla_te"])
     def test_served_configs_build(self, key):
