@@ -23,6 +23,7 @@ AREAS = (
     "grad_accum_fusion",
     "moe",
     "layer_specs",
+    "start_checks",
     "fp8",
     "ssm",
     "cuda_graphs",

@@ -3,13 +3,14 @@
 Without TE, Megatron's `get_fp8_context` returns `nullcontext()`: `--fp8-format hybrid` would train
 in bf16 and say nothing. This area makes that impossible:
 
-* Refusal at start. `megatron.training.global_vars:set_global_variables` (Megatron-LM's start-up,
-  right after its arguments are parsed and validated, before distributed set-up) and
-  `TransformerConfig.__post_init__` (megatron-core users) check the fp8 / fp4 settings against the
-  backend: a backend whose `fp8_unavailable` op gives a reason (cpu, npu, a CUDA GPU before sm89)
-  refuses `--fp8-format` naming the flag, the backend and that reason; `--fp4-format` is refused on
-  every backend; so are the fp8 features no linear here serves (`--fp8-recipe blockwise|mxfp8|
-  custom`, `--fp8-param-gather`, fp8 attention, fp8 MoE experts, `--transformer-impl local`,
+* Refusal at start: a check registered with megatron_adapt.start_checks (run by the start_checks
+  area from Megatron-LM's `set_global_variables`, right after its arguments are parsed and
+  validated, and from `TransformerConfig.__post_init__` for megatron-core users) checks the fp8 /
+  fp4 settings against the backend: a backend whose `fp8_unavailable` op gives a reason (cpu, npu,
+  a CUDA GPU before sm89) refuses `--fp8-format` naming the flag, the backend and that reason;
+  `--fp4-format` is refused on every backend; so are the fp8 features no linear here serves
+  (`--fp8-recipe blockwise|mxfp8|custom`, `--fp8-param-gather`, fp8 attention, fp8 MoE experts,
+  `--transformer-impl local`,
   `--cuda-graph-impl local` (its fp8 handling is TE's FP8GlobalStateManager) and
   `--recompute-granularity full` (Megatron recomputes fp8 layers with TE's checkpoint).
 * The context. `megatron.core.fp8_utils:get_fp8_context` is replaced: Megatron's own callers
@@ -28,24 +29,15 @@ in bf16 and say nothing. This area makes that impossible:
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import torch
 
-from megatron_adapt import report
+from megatron_adapt import report, start_checks
 from megatron_adapt.errors import UnsupportedFeatureError
-from megatron_adapt.spec import WRAP, PatchSpec, SkipPatch
+from megatron_adapt.spec import PatchSpec, SkipPatch
 
 RECIPES_SERVED = ("tensorwise", "delayed")
 _FIX = "Train without it (--bf16), or on the cuda backend on an sm89+ (Ada, Hopper) GPU."
-
-
-def _te_installed() -> bool:
-    try:
-        from megatron.core.extensions import transformer_engine as te_ext
-    except Exception:   # noqa: BLE001 (an import error of the extension means no usable TE)
-        return False
-    return bool(getattr(te_ext, "HAVE_TE", False))
 
 
 def _value(v):
@@ -99,46 +91,28 @@ def fp8_refusal(backend, settings: dict) -> str | None:
     return None
 
 
-def _refuse(message: str):
-    if report._rank() == 0:
-        print(f"megatron-adapt: {message}", file=sys.stderr, flush=True)
-    raise UnsupportedFeatureError(message)
-
-
 # ---------------------------------------------------------------- refusal at start
-def build_args_check(backend, original):
-    def set_global_variables(wrapped, instance, args, kwargs):
-        ns = args[0] if args else kwargs.get("args")
-        if ns is not None and not _te_installed():
-            why = fp8_refusal(backend, vars(ns))
-            if why is not None:
-                _refuse(why)
-            if getattr(ns, "fp8", None):
-                report.ran("fp8.flags", f"{backend.name}: --fp8-format {ns.fp8} --fp8-recipe "
-                                        f"{_value(ns.fp8_recipe)} served by fp8_linear")
-        return wrapped(*args, **kwargs)
-    return set_global_variables
+def _args_check(backend, settings: dict) -> str | None:
+    why = fp8_refusal(backend, settings)
+    if why is None and settings.get("fp8"):
+        report.ran("fp8.flags", f"{backend.name}: --fp8-format {settings['fp8']} --fp8-recipe "
+                                f"{_value(settings.get('fp8_recipe'))} served by fp8_linear")
+    return why
 
 
-def build_config_check(backend, original):
-    def __post_init__(wrapped, instance, args, kwargs):
-        result = wrapped(*args, **kwargs)
-        if instance is None or _te_installed():
-            return result
-        c = instance
-        settings = {"fp8": getattr(c, "fp8", None), "fp8_recipe": getattr(c, "fp8_recipe", None),
-                    "fp8_param_gather": getattr(c, "fp8_param", False), "fp4": getattr(c, "fp4", None),
-                    "fp8_dot_product_attention": getattr(c, "fp8_dot_product_attention", False),
-                    "fp8_multi_head_attention": getattr(c, "fp8_multi_head_attention", False),
-                    "num_experts": getattr(c, "num_moe_experts", None),
-                    "cuda_graph_impl": getattr(c, "cuda_graph_impl", None),
-                    "recompute_granularity": getattr(c, "recompute_granularity", None),
-                    "enable_cuda_graph": getattr(c, "enable_cuda_graph", False)}
-        why = fp8_refusal(backend, settings)
-        if why is not None:
-            _refuse(f"{type(c).__name__}: {why}")
-        return result
-    return __post_init__
+def _config_check(backend, c) -> str | None:
+    settings = {"fp8": getattr(c, "fp8", None), "fp8_recipe": getattr(c, "fp8_recipe", None),
+                "fp8_param_gather": getattr(c, "fp8_param", False), "fp4": getattr(c, "fp4", None),
+                "fp8_dot_product_attention": getattr(c, "fp8_dot_product_attention", False),
+                "fp8_multi_head_attention": getattr(c, "fp8_multi_head_attention", False),
+                "num_experts": getattr(c, "num_moe_experts", None),
+                "cuda_graph_impl": getattr(c, "cuda_graph_impl", None),
+                "recompute_granularity": getattr(c, "recompute_granularity", None),
+                "enable_cuda_graph": getattr(c, "enable_cuda_graph", False)}
+    return fp8_refusal(backend, settings)
+
+
+start_checks.register("fp8", "fp8", from_args=_args_check, from_config=_config_check)
 
 
 # ---------------------------------------------------------------- the fp8 context
@@ -170,7 +144,7 @@ def recipe_from_config(config):
 
 
 def build_get_fp8_context(backend, original):
-    if _te_installed():
+    if start_checks.te_installed():
         raise SkipPatch("Transformer Engine is installed: its fp8_autocast serves")
 
     def get_fp8_context(config, layer_no: int = -1, is_init: bool = False):
@@ -295,9 +269,5 @@ def fp8_variant(base, backend):
 
 
 SPECS = [
-    PatchSpec("megatron.training.global_vars:set_global_variables", area="fp8", mode=WRAP,
-              build=build_args_check, optional=True),
-    PatchSpec("megatron.core.transformer.transformer_config:TransformerConfig.__post_init__",
-              area="fp8", mode=WRAP, build=build_config_check),
     PatchSpec("megatron.core.fp8_utils:get_fp8_context", area="fp8", build=build_get_fp8_context),
 ]

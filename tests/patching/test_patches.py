@@ -444,6 +444,12 @@ class TestFp8(PatchContract):
     area = "fp8"
 
 
+class TestStartChecks(PatchContract):
+    """Refusals through Megatron's argument parsing, configs and layer specs:
+    tests/patching/test_start_checks.py."""
+    area = "start_checks"
+
+
 def test_every_patch_area_has_a_contract_subclass():
     from megatron_adapt.patches import AREAS
 

@@ -1,0 +1,175 @@
+"""Features and model families no backend here serves: refused before any model is built.
+
+Runs every check registered with megatron_adapt.start_checks (fp8's included, patches/fp8.py) from
+Megatron-LM's `set_global_variables` (right after argument validation) and from
+`TransformerConfig.__post_init__`, and registers the checks of this area:
+
+* `--cpu-offloading-num-layers` (cpu_offloading): Megatron takes its offload context from
+  Transformer Engine (`get_cpu_offload_context`) and asserts at model build without it.
+* `--fine-grained-activation-offloading`: Megatron's offload manager switches TE's
+  `cpu_offload.CPUOffloadEnabled` and raises "TE CPU offload is not available" in the first forward.
+* `--delay-wgrad-compute`: the linears here compute weight gradients inside the backward; TE's split
+  weight-gradient pass (`backward_dw`) is not served (the grouped expert linear refused it at build).
+* `--multi-latent-attention --transformer-impl local`: Megatron's local spec gives MLA a
+  DotProductAttention, which takes no k_channels / v_channels (TypeError at model build). MLA is
+  served through the transformer_engine spec. Refused also where a megatron-core user asks the
+  local spec builder for MLA (`get_gpt_layer_local_spec(multi_latent_attention=True)`).
+
+Model families whose layer specs name TE's classes directly (not through the TESpecProvider seam
+that patches/layer_specs serves) cannot be told apart by their arguments, so they are refused where
+the script asks for the spec, before any module is built:
+
+* T5 (`pretrain_t5.py`, `t5_spec`): the TE specs name TE's linears and attention; every block spec,
+  the local ones too, takes TE's `TENorm` (None without TE) as the final norm.
+* BERT (`pretrain_bert.py`): `get_bert_layer_with_transformer_engine_spec` (read at the script's
+  import) raises Megatron's ImportError; here the message names the backend and the reason.
+* Heterogeneous layers with the TE spec (`--heterogeneous-layers-config-path`): the spec names TE's
+  classes and TE's gathered norm linear. `--transformer-impl local` builds Megatron's own modules.
+"""
+from __future__ import annotations
+
+import inspect
+
+from megatron_adapt import start_checks
+from megatron_adapt.spec import WRAP, PatchSpec, SkipPatch
+from megatron_adapt.start_checks import where
+
+AREA = "start_checks"
+
+
+# ---------------------------------------------------------------- the two places checks run
+def build_args_check(backend, original):
+    def set_global_variables(wrapped, instance, args, kwargs):
+        start_checks.run_args_checks(backend, args[0] if args else kwargs.get("args"))
+        return wrapped(*args, **kwargs)
+    return set_global_variables
+
+
+def build_config_check(backend, original):
+    def __post_init__(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        start_checks.run_config_checks(backend, instance)
+        return result
+    return __post_init__
+
+
+# ---------------------------------------------------------------- this area's checks
+def offloading_refusal(backend, s: dict) -> str | None:
+    if s.get("cpu_offloading"):
+        n = s.get("cpu_offloading_num_layers")
+        host = (" (on the cpu backend activations and weights already live in host memory)"
+                if backend.name == "cpu" else "")
+        return (f"--cpu-offloading-num-layers {n} (cpu_offloading): {where(backend)} cannot run it: "
+                f"Megatron's CPU offloading is Transformer Engine's get_cpu_offload_context, which "
+                f"megatron-adapt does not serve{host}; without TE Megatron asserts at model build. "
+                f"Train without --cpu-offloading-num-layers.")
+    if s.get("fine_grained_activation_offloading"):
+        return (f"--fine-grained-activation-offloading: {where(backend)} cannot run it: Megatron's "
+                f"offload manager switches Transformer Engine's cpu_offload (it raises 'TE CPU "
+                f"offload is not available' in the first forward), which megatron-adapt does not "
+                f"serve. Train without --fine-grained-activation-offloading.")
+    return None
+
+
+def wgrad_refusal(backend, s: dict) -> str | None:
+    if s.get("delay_wgrad_compute"):
+        return (f"--delay-wgrad-compute: {where(backend)} cannot run it: megatron-adapt's linears "
+                f"compute weight gradients inside the backward; Transformer Engine's split "
+                f"weight-gradient pass (backward_dw) is not served. Train without "
+                f"--delay-wgrad-compute.")
+    return None
+
+
+MLA_LOCAL_WHY = ("Megatron's local spec builds MLA's core attention from DotProductAttention, which "
+                 "takes no k_channels / v_channels (TypeError at model build without TE). "
+                 "megatron-adapt serves MLA through the transformer_engine spec")
+
+
+def mla_local_refusal(backend, s: dict) -> str | None:
+    if s.get("multi_latent_attention") and s.get("transformer_impl") == "local":
+        return (f"--multi-latent-attention --transformer-impl local: {where(backend)} cannot run it: "
+                f"{MLA_LOCAL_WHY}: drop --transformer-impl local.")
+    return None
+
+
+def _settings_of(config) -> dict:
+    names = ("cpu_offloading", "cpu_offloading_num_layers", "fine_grained_activation_offloading",
+             "delay_wgrad_compute", "multi_latent_attention", "transformer_impl")
+    return {n: getattr(config, n, None) for n in names}
+
+
+for _name, _check in (("offloading", offloading_refusal), ("delay_wgrad", wgrad_refusal),
+                      ("mla_local", mla_local_refusal)):
+    start_checks.register(
+        AREA, _name, from_args=_check,
+        from_config=lambda backend, config, _check=_check: _check(backend, _settings_of(config)))
+
+
+# ---------------------------------------------------------------- families refused at their spec
+T5_WHY = ("megatron-adapt does not serve T5's layer specs: t5_spec names Transformer Engine's "
+          "linears and attention directly (not through the TESpecProvider that megatron-adapt "
+          "serves), and every T5 block spec, the local ones too, takes TE's TENorm as the final "
+          "norm (None without TE: the model would lose its final layer norms)")
+BERT_WHY = ("megatron-adapt does not serve BERT's transformer_engine layer spec: bert_layer_specs "
+            "names Transformer Engine's classes directly (not through the TESpecProvider that "
+            "megatron-adapt serves), and pretrain_bert.py reads that spec when it is imported, "
+            "so --spec local does not avoid it")
+HETERO_WHY = ("the heterogeneous transformer_engine spec names Transformer Engine's classes "
+              "directly (TE's gathered norm + column-parallel linear among them), not through the "
+              "TESpecProvider that megatron-adapt serves; --transformer-impl local builds "
+              "Megatron's own modules")
+
+
+def _spec_refusal(what: str, why: str, when: str | None = None):
+    """A wrapper refusing every call, or (`when`: a parameter name of the spec function) the calls
+    in which that parameter, as bound with its default, is true."""
+    def build(backend, original):
+        if start_checks.te_installed():
+            raise SkipPatch("Transformer Engine is installed: its modules serve this spec")
+        signature = inspect.signature(original)
+
+        def refuse_spec(wrapped, instance, args, kwargs):
+            if when is None or _bound(signature, args, kwargs).get(when):
+                start_checks.refuse(f"{what}: {where(backend)} cannot build it: {why}.")
+            return wrapped(*args, **kwargs)
+        return refuse_spec
+    return build
+
+
+def _bound(signature, args, kwargs) -> dict:
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return {}       # Megatron raises its own error for a call its function does not take
+    bound.apply_defaults()
+    return bound.arguments
+
+
+GPT_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
+T5 = "megatron.core.models.T5.t5_spec"
+BERT = "megatron.core.models.bert.bert_layer_specs"
+HETERO = "megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs"
+
+SPECS = [
+    PatchSpec("megatron.training.global_vars:set_global_variables", area=AREA, mode=WRAP,
+              build=build_args_check, optional=True),
+    PatchSpec("megatron.core.transformer.transformer_config:TransformerConfig.__post_init__",
+              area=AREA, mode=WRAP, build=build_config_check),
+    *(PatchSpec(f"{T5}:get_t5_{part}_with_{impl}_block_spec", area=AREA, mode=WRAP,
+                build=_spec_refusal(f"T5 ({T5}.get_t5_{part}_with_{impl}_block_spec, pretrain_t5.py)", T5_WHY))
+      for part in ("encoder", "decoder") for impl in ("transformer_engine", "local")),
+    PatchSpec(f"{BERT}:get_bert_layer_with_transformer_engine_spec", area=AREA, mode=WRAP,
+              build=_spec_refusal("BERT with the transformer_engine layer spec (pretrain_bert.py)",
+                                  BERT_WHY)),
+    # megatron-core users who build the local spec for MLA (the config check sees transformer_impl
+    # only). From 0.17 get_gpt_layer_local_spec(*args, **kwargs) delegates to the submodules builder.
+    PatchSpec(f"{GPT_SPECS}:get_gpt_layer_local_spec", area=AREA, mode=WRAP,
+              build=_spec_refusal("get_gpt_layer_local_spec(multi_latent_attention=True)", MLA_LOCAL_WHY,
+                                  when="multi_latent_attention")),
+    PatchSpec(f"{GPT_SPECS}:get_gpt_layer_local_submodules", area=AREA, mode=WRAP, versions=">=0.17.0,<0.20.0",
+              build=_spec_refusal("get_gpt_layer_local_submodules(multi_latent_attention=True)", MLA_LOCAL_WHY,
+                                  when="multi_latent_attention")),
+    PatchSpec(f"{HETERO}:get_gpt_heterogeneous_layer_spec", area=AREA, mode=WRAP,
+              build=_spec_refusal("--heterogeneous-layers-config-path with --transformer-impl "
+                                  "transformer_engine", HETERO_WHY, when="use_te")),
+]

@@ -1,0 +1,178 @@
+"""Tier 1, area start_checks (its PatchContract: TestStartChecks in test_patches.py): features and
+families no backend here serves are refused before any model is built, naming the flag, the backend
+and the reason; what is served is not refused. Through Megatron's real paths, each scenario in a
+fresh interpreter (start_checks_worker.py): TransformerConfig's __post_init__, the T5 / BERT /
+heterogeneous layer-spec functions, and (with MEGATRON_LM_PATH) Megatron-LM's parse_args ->
+validate_args -> set_global_variables, the start-up every training script goes through."""
+import json
+import os
+from functools import lru_cache
+
+import pytest
+
+from adapt_testutil import run_python
+from megatron_checkout import mismatch_reason
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "start_checks_worker.py")
+LM = os.environ.get("MEGATRON_LM_PATH")
+REFUSED = "UnsupportedFeatureError: "
+
+
+@lru_cache(maxsize=None)
+def worker(scenario, flag_lists=None, env=()):
+    argv = [WORKER, scenario] + ([json.dumps(json.loads(flag_lists))] if flag_lists else [])
+    out = run_python(argv, env=dict(env), timeout=300).stdout
+    return json.loads(next(l for l in out.splitlines() if l.startswith("PROBE-JSON:"))[len("PROBE-JSON:"):])
+
+
+class TestConfig:
+    """megatron-core users: the refusal is raised by the config, before any module exists."""
+
+    @pytest.mark.parametrize("key,expected", [
+        ("cpu_offloading", "TransformerConfig: --cpu-offloading-num-layers 1 (cpu_offloading): the cpu backend "
+                           "cannot run it: Megatron's CPU offloading is Transformer Engine's get_cpu_offload_context"),
+        ("fine_grained_activation_offloading", "TransformerConfig: --fine-grained-activation-offloading: the cpu "
+                                               "backend cannot run it: Megatron's offload manager switches "
+                                               "Transformer Engine's cpu_offload"),
+        ("delay_wgrad_compute", "TransformerConfig: --delay-wgrad-compute: the cpu backend cannot run it: "
+                                "megatron-adapt's linears compute weight gradients inside the backward"),
+        ("mla_local", "MLATransformerConfig: --multi-latent-attention --transformer-impl local: the cpu backend "
+                      "cannot run it: Megatron's local spec builds MLA's core attention from DotProductAttention"),
+    ])
+    def test_refused(self, key, expected):
+        got = worker("config")[key]
+        if got == "absent":
+            pytest.skip(f"this megatron-core's TransformerConfig has no {key}")
+        assert got.startswith(REFUSED + expected), got
+
+    @pytest.mark.parametrize("key", ["plain", "mla_te"])
+    def test_served_configs_build(self, key):
+        assert worker("config")[key] == "built"
+
+
+class TestLayerSpecs:
+    """Families whose specs name TE's classes: refused where the spec is asked for."""
+
+    @pytest.mark.parametrize("name", [f"get_t5_{p}_with_{i}_block_spec" for p in ("encoder", "decoder")
+                                      for i in ("transformer_engine", "local")])
+    def test_t5_refused(self, name):
+        got = worker("specs")[name]
+        assert got.startswith(f"{REFUSED}T5 (megatron.core.models.T5.t5_spec.{name}, pretrain_t5.py): the cpu "
+                              "backend cannot build it: megatron-adapt does not serve T5's layer specs"), got
+        assert "TENorm as the final norm" in got
+
+    @pytest.mark.parametrize("key", ["bert_te", "bert_te_attribute"])
+    def test_bert_te_spec_refused(self, key):
+        """pretrain_bert.py imports `bert_layer_with_transformer_engine_spec` (the module's __getattr__
+        calls the function): Megatron's own ImportError is replaced by one naming the backend."""
+        got = worker("specs")[key]
+        assert got.startswith(f"{REFUSED}BERT with the transformer_engine layer spec (pretrain_bert.py): the "
+                              "cpu backend cannot build it"), got
+
+    @pytest.mark.parametrize("key", ["mla_local_spec", "mla_local_block_spec"])
+    def test_mla_local_spec_refused(self, key):
+        """megatron-core users asking the local spec for MLA (directly, or through the decoder block
+        spec with use_transformer_engine=False), whatever their config's transformer_impl says."""
+        got = worker("specs")[key]
+        assert got.startswith(f"{REFUSED}get_gpt_layer_local_spec(multi_latent_attention=True): the cpu "
+                              "backend cannot build it: Megatron's local spec builds MLA's core attention"), got
+
+    @pytest.mark.parametrize("key", ["local_spec", "mla_te_spec"])
+    def test_served_gpt_specs_build(self, key):
+        assert worker("specs")[key] == "built"
+
+    def test_bert_local_spec_untouched(self):
+        assert worker("specs")["bert_local"] == "built"
+
+    def test_heterogeneous_te_refused_local_served(self):
+        res = worker("specs")
+        for key in ("hetero_te", "hetero_te_positional"):
+            assert res[key].startswith(f"{REFUSED}--heterogeneous-layers-config-path with --transformer-impl "
+                                       "transformer_engine: the cpu backend cannot build it"), res[key]
+        assert res["hetero_local"] == res["hetero_default"] == "built"
+
+    def test_heterogeneous_local_model_trains_a_step(self):
+        """What the refusal points to works: per-layer ffn sizes and a no-op attention, forward and backward."""
+        res = worker("hetero_local")
+        assert res["ffn_sizes"] == [96, 160]
+        assert res["attention_types"] == ["SelfAttention", "IdentityOp"]
+        assert res["grads_finite"] and 3.0 < res["loss"] < 7.0, res
+
+
+# ------------------------------------------------------------------ Megatron-LM's argument path
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--lr", "1e-3",
+        "--train-iters", "3"]
+DELAY_WGRAD = ["--delay-wgrad-compute", "--num-experts", "4", "--expert-model-parallel-size", "2",
+               "--moe-token-dispatcher-type", "alltoall", "--overlap-moe-expert-parallel-comm", "--bf16",
+               "--moe-grouped-gemm"]
+CASES = [
+    # refused by megatron-adapt at start (Megatron itself would fail later, at model build or in the first forward)
+    (["--cpu-offloading-num-layers", "1"],
+     REFUSED + "--cpu-offloading-num-layers 1 (cpu_offloading): the cpu backend cannot run it"),
+    (["--fine-grained-activation-offloading", "--offload-modules", "core_attn"],
+     REFUSED + "--fine-grained-activation-offloading: the cpu backend cannot run it"),
+    (DELAY_WGRAD, REFUSED + "--delay-wgrad-compute: the cpu backend cannot run it"),
+    (["--multi-latent-attention", "--transformer-impl", "local"],
+     REFUSED + "--multi-latent-attention --transformer-impl local: the cpu backend cannot run it"),
+    (["--fp8-format", "hybrid", "--bf16"], REFUSED + "--fp8-format hybrid: the cpu backend cannot run it"),
+    # refused by Megatron's own validate_args, at start, with a message that names the flag
+    (["--delay-wgrad-compute", "--transformer-impl", "local"],
+     "AssertionError: Delaying wgrad compute is only supported with transformer_engine implementation"),
+    (["--fine-grained-activation-offloading", "--offload-modules", "core_attn", "--transformer-impl", "local"],
+     "AssertionError: Fine-grained activation offloading is only supported with transformer_engine implementation"),
+    (["--position-embedding-type", "relative", "--transformer-impl", "local"],
+     "AssertionError: Local transformer implementation currently does not support attention bias-based "
+     "position embeddings."),
+    # served: not refused
+    (["--multi-latent-attention"], "passed"),
+    ([], "passed"),
+]
+NO_LM = ("MEGATRON_LM_PATH is not set: Megatron-LM's argument parsing (megatron.training) lives in a checkout"
+         if not LM else mismatch_reason(LM))
+needs_lm = pytest.mark.skipif(bool(NO_LM), reason=NO_LM or "")
+
+
+def _args_results(env=()):
+    return worker("args", json.dumps([TINY + flags for flags, _ in CASES]), (("WORLD_SIZE", "2"), *env))
+
+
+@needs_lm
+@pytest.mark.parametrize("flags,expected", CASES, ids=[" ".join(f) or "plain" for f, _ in CASES])
+def test_megatron_argument_path(flags, expected):
+    got = _args_results()[" ".join(TINY + flags)]
+    assert got.startswith(expected), got
+
+
+@needs_lm
+def test_disabling_an_area_drops_only_its_checks():
+    res = _args_results((("MEGATRON_ADAPT_DISABLE", "fp8"),))
+    assert res[" ".join(TINY + ["--fp8-format", "hybrid", "--bf16"])] == "passed"
+    assert res[" ".join(TINY + ["--cpu-offloading-num-layers", "1"])].startswith(REFUSED)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "npu"])
+@pytest.mark.parametrize("settings,expected", [
+    ({"cpu_offloading": True, "cpu_offloading_num_layers": 2}, "--cpu-offloading-num-layers 2 (cpu_offloading)"),
+    ({"fine_grained_activation_offloading": True}, "--fine-grained-activation-offloading"),
+    ({"delay_wgrad_compute": True}, "--delay-wgrad-compute"),
+    ({"multi_latent_attention": True, "transformer_impl": "local"}, "--multi-latent-attention --transformer-impl local"),
+    ({"multi_latent_attention": True, "transformer_impl": "transformer_engine"}, None),
+    ({"cpu_offloading": False, "delay_wgrad_compute": False}, None),
+])
+def test_refusals_name_every_backend(backend, settings, expected):
+    """The accelerator backends refuse the same features (none of them serves TE's offloading or
+    split wgrad pass), naming themselves; the host-memory remark is the cpu backend's only."""
+    import types
+
+    from megatron_adapt.patches import start_checks as area
+
+    b = types.SimpleNamespace(name=backend)
+    got = [why for check in (area.offloading_refusal, area.wgrad_refusal, area.mla_local_refusal)
+           if (why := check(b, settings))]
+    if expected is None:
+        assert not got, got
+        return
+    assert len(got) == 1 and got[0].startswith(f"{expected}: the {backend} backend cannot run it: "), got
+    assert "host memory" not in got[0]
