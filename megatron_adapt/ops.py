@@ -35,6 +35,14 @@ OPS: dict[str, Op] = {
         "(q[b, hq, sq, d], k[b, hkv, sk, d], v[b, hkv, sk, d], attn_mask bool True=masked "
         "broadcastable to [b, hq, sq, sk] | None, causal: bool, scale: float | None, dropout_p:"
         " float, window_size | None) -> out[b, hq, sq, d]"),
+    "attention_thd": Op(
+        ".attention:attention_thd",
+        "(q[T, hq, d], k[T, hkv, d], v[T, hkv, dv], cu_seqlens_q [n+1] int, cu_seqlens_kv [n+1] int, "
+        "cu_seqlens_q_padded [n+1] | None, cu_seqlens_kv_padded [n+1] | None, causal: bool, scale: "
+        "float | None, dropout_p: float, window_size | None) -> out[T, hq, dv]: packed (thd) "
+        "sequences, each attending only within itself (Megatron's PackedSeqParams); sequence i's "
+        "tokens start at cu_seqlens_*_padded[i] (cu_seqlens_*[i] without padding), padding rows "
+        "give zeros. Malformed offsets raise ValueError"),
     "rope": Op(
         ".rope:rope",
         "(t[s, b, h, d], freqs[s, 1, 1, r] angles (r <= d), interleaved: bool) -> t with its "

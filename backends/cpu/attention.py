@@ -6,3 +6,10 @@ from megatron_adapt.backends import reference
 def attention(q, k, v, attn_mask=None, causal=False, scale=None, dropout_p=0.0, window_size=None):
     report.ran("attention", "cpu.torch.sdpa")
     return reference.attention(q, k, v, attn_mask, causal, scale, dropout_p, window_size)
+
+
+def attention_thd(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+                  causal=True, scale=None, dropout_p=0.0, window_size=None):
+    report.ran("attention_thd", "cpu.torch.sdpa.per_sequence")
+    return reference.attention_thd(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                                   cu_seqlens_kv_padded, causal, scale, dropout_p, window_size)
