@@ -43,6 +43,13 @@ OPS: dict[str, Op] = {
         "sequences, each attending only within itself (Megatron's PackedSeqParams); sequence i's "
         "tokens start at cu_seqlens_*_padded[i] (cu_seqlens_*[i] without padding), padding rows "
         "give zeros. Malformed offsets raise ValueError"),
+    "attention_cp": Op(
+        ".attention:attention_cp",
+        "(q[b, hq, s, d], k[b, hkv, s, d], v[b, hkv, s, dv]: this rank's tokens, pos [b, s] int "
+        "(position in its document), doc [b, s] int (document, -1 = padding), causal: bool, "
+        "scale: float, window_size | None, groups: process group | [a2a group, p2p group], "
+        "comm_type 'p2p'|'allgather'|'a2a'|'a2a+p2p') -> out[b, hq, s, dv]: attention over the "
+        "tokens of every rank of the group(s) (backends/context_parallel.py)"),
     "rope": Op(
         ".rope:rope",
         "(t[s, b, h, d], freqs[s, 1, 1, r] angles (r <= d), interleaved: bool) -> t with its "

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_adapt import report
-from megatron_adapt.backends import reference
+from megatron_adapt.backends import context_parallel, reference
 from megatron_adapt.backends.reference import build_mask
 from megatron_adapt.backends.cuda import providers
 
@@ -186,3 +186,12 @@ def _per_sequence(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_siz
     if not pieces:
         return out + 0 * q.sum()
     return out.index_copy(0, torch.cat(rows).to(q.device), torch.cat(pieces))
+
+
+CP_WHY = ("context parallelism runs its attention blocks in torch math with the scores materialised "
+          "(backends/context_parallel.py): no fused ring kernel on the cuda backend yet")
+
+
+def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type):
+    report.fell_back("attention_cp", f"cuda.torch.{comm_type}", CP_WHY)
+    return context_parallel.attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type)

@@ -32,7 +32,7 @@ import math
 import torch
 
 from megatron_adapt import report
-from megatron_adapt.backends import reference
+from megatron_adapt.backends import context_parallel, reference
 
 from ._lib import torch_npu
 
@@ -210,3 +210,12 @@ def attention_thd(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded=None
         rows = torch.cat([torch.arange(s, s + n) for s, n in segs_q if n]).to(q.device)
         return out.index_copy(0, rows, res[rows])
     return torch.cat([res, out[tq:]]) if tq < q.size(0) else res
+
+
+CP_WHY = ("context parallelism runs its attention blocks in torch math with the scores materialised "
+          "(backends/context_parallel.py): no fused ring kernel on the npu backend yet")
+
+
+def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type):
+    report.fell_back("attention_cp", f"npu.torch.{comm_type}", CP_WHY)
+    return context_parallel.attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type)
