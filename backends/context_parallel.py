@@ -154,7 +154,7 @@ def _shift(tensors, group):
     """Send to the next rank of the group, receive from the previous one."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     nxt, prv = dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
-    bufs = [torch.empty_like(t) for t in tensors]
+    bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     works = [dist.isend(t.contiguous(), nxt, group=group) for t in tensors]
     works += [dist.irecv(b, prv, group=group) for b in bufs]
     for w in works:
@@ -206,7 +206,7 @@ class _Ring(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------- collectives with autograd
 def _gather_meta(t, group):
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    parts = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
 
@@ -217,7 +217,8 @@ class _AllGatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
+                 for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=2)
 

@@ -1,0 +1,70 @@
+"""Context parallelism in stock pretrain_gpt.py (unmodified) under megatron-adapt-run, cpu backend,
+gloo, 2 processes, fp32, the default --transformer-impl (TE spec served by megatron-adapt):
+--context-parallel-size 2 with --cp-comm-type p2p and a2a against CP=1 (DP=2, the same global
+batch), 10 steps, max |Δloss| <= 2e-3; and the refusals at start: a sequence length 2·CP does not
+divide (Megatron's own message), a cp-comm-type the backend cannot serve for these heads (a2a with
+one key/value head: ours, naming the flag and the backend), the area switched off (Megatron's
+assertion comes back). Dropout off: CP and DP draw different dropout masks. Each launch ~20-30 s
+on two CPU cores; the file ~2.5 minutes. Needs MEGATRON_LM_PATH."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_pretrain_gpt import (LLAMA, LM, NEEDS_CHECKOUT, NOT_IMPORTED_BY_GPT, assert_loss_falls,  # noqa: F401
+                               assert_patched, pretrain)
+
+pytestmark = pytest.mark.skipif(not LM, reason="MEGATRON_LM_PATH is not set (a Megatron-LM checkout)")
+
+CP_ARGS = [*LLAMA, "--attention-dropout", "0", "--hidden-dropout", "0"]
+_runs = {}
+
+
+def run(name, tmp_path_factory, *extra):
+    if name not in _runs:
+        tmp = tmp_path_factory.mktemp(name)
+        report = tmp / "report.json"
+        _runs[name] = pretrain([*CP_ARGS, *extra], tmp, name, env={"MEGATRON_ADAPT_REPORT": str(report)})
+        _runs[name].report = report
+    return _runs[name]
+
+
+def impls(run, op):
+    return {o["implementation"] for o in json.loads(run.report.read_text())["ops"] if o["op"] == op}
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_cp2_matches_cp1(tmp_path_factory, comm):
+    base = run("cp1", tmp_path_factory).check()
+    cp = run(f"cp2_{comm}", tmp_path_factory, "--context-parallel-size", "2", "--cp-comm-type", comm).check()
+    assert sorted(cp.losses) == sorted(base.losses) == list(range(1, 11))
+    diffs = [abs(cp.losses[i] - base.losses[i]) for i in base.losses]
+    assert max(diffs) <= 2e-3, (comm, base.losses, cp.losses)
+    assert_loss_falls(cp)
+    # (pretrain_gpt.py never imports the Mamba modules: their patches wait)
+    assert_patched(cp, may_wait=(*NOT_IMPORTED_BY_GPT, "megatron.core.ssm.", "megatron.core.models.mamba."))
+    assert "megatron.core.utils:get_thd_batch_on_this_cp_rank" in cp.out
+    assert impls(cp, "attention_cp") == {f"cpu.torch.{comm}"}
+    assert not impls(base, "attention_cp")
+
+
+def test_sequence_length_not_divisible_by_2cp_is_refused(tmp_path):
+    bad = pretrain([*CP_ARGS, "--context-parallel-size", "2", "--seq-length", "62"], tmp_path, "badseq", iters=1)
+    assert bad.rc != 0
+    assert "seq-length should be a multiple of 2 * context-parallel-size" in bad.out
+
+
+def test_a2a_with_heads_the_group_cannot_split_is_refused(tmp_path):
+    bad = pretrain([*CP_ARGS, "--context-parallel-size", "2", "--cp-comm-type", "a2a", "--group-query-attention",
+                    "--num-query-groups", "1"], tmp_path, "a2a_heads", iters=1)
+    assert bad.rc != 0
+    assert ("--cp-comm-type a2a with --context-parallel-size 2: the cpu backend cannot serve it: cp_comm_type a2a: "
+            "4 query and 1 key/value heads per tensor-parallel rank must both divide by the all-to-all group "
+            "size 2") in bad.out
+
+
+def test_area_switched_off_gives_megatrons_assertion(tmp_path):
+    off = pretrain([*CP_ARGS, "--context-parallel-size", "2"], tmp_path, "cp_off", iters=1,
+                   env={"MEGATRON_ADAPT_DISABLE": "context_parallel"})
+    assert off.rc != 0 and "Context parallelism is only supported by TEDotProductAttention!" in off.out
