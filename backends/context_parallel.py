@@ -176,7 +176,7 @@ class _Ring(torch.autograd.Function):
                 cur = _shift(cur, group)
         if out is None:
             out = q.new_zeros(q.shape[:-1] + (v.size(-1),), dtype=torch.float32)
-            lse = torch.full(q.shape[:-1], float("-inf"))
+            lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
         ctx.save_for_backward(q, k, v, qpos, qdoc, kpos, kdoc, out, lse)
         ctx.causal, ctx.scale, ctx.window, ctx.group = causal, scale, window_size, group
         return out.to(q.dtype)
