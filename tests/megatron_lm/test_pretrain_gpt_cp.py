@@ -4,16 +4,20 @@ gloo, 2 processes, fp32, the default --transformer-impl (TE spec served by megat
 batch), 10 steps, max |Δloss| <= 2e-3; and the refusals at start: a sequence length 2·CP does not
 divide (Megatron's own message), a cp-comm-type the backend cannot serve for these heads (a2a with
 one key/value head: ours, naming the flag and the backend), the area switched off (Megatron's
-assertion comes back). Dropout off: CP and DP draw different dropout masks. Each launch ~20-30 s
-on two CPU cores; the file ~2.5 minutes. Needs MEGATRON_LM_PATH."""
+assertion comes back). And with 4 processes: TP=2 + --sequence-parallel + CP=2 (p2p) against TP=2
+(DP=2). Dropout off: CP and DP draw different dropout masks. Each launch ~20-30 s on two CPU
+cores; the file ~3.5 minutes. Needs MEGATRON_LM_PATH."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from test_pretrain_gpt import (LLAMA, LM, NEEDS_CHECKOUT, NOT_IMPORTED_BY_GPT, assert_loss_falls,  # noqa: F401
-                               assert_patched, pretrain)
+import os
+import subprocess
+
+from test_pretrain_gpt import (LLAMA, LM, NEEDS_CHECKOUT, NOT_IMPORTED_BY_GPT, TINY_GPT, Run,  # noqa: F401
+                               _env, _free_port, assert_loss_falls, assert_patched, pretrain)
 
 pytestmark = pytest.mark.skipif(not LM, reason="MEGATRON_LM_PATH is not set (a Megatron-LM checkout)")
 
@@ -68,3 +72,22 @@ def test_area_switched_off_gives_megatrons_assertion(tmp_path):
     off = pretrain([*CP_ARGS, "--context-parallel-size", "2"], tmp_path, "cp_off", iters=1,
                    env={"MEGATRON_ADAPT_DISABLE": "context_parallel"})
     assert off.rc != 0 and "Context parallelism is only supported by TEDotProductAttention!" in off.out
+
+
+def launch4(args, tmp, name):
+    """pretrain_gpt.py on 4 processes (launch() in test_pretrain_gpt uses 2)."""
+    cmd = ["megatron-adapt-run", "torchrun", "--nproc-per-node", "4", "--master-port", str(_free_port()),
+           os.path.join(LM, "pretrain_gpt.py"), *TINY_GPT, "--train-iters", "10", *CP_ARGS, *args]
+    proc = subprocess.run(cmd, env=_env(), cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=600)
+    log = tmp / f"{name}.log"
+    log.write_text(" ".join(cmd) + "\n" + proc.stdout)
+    return Run(proc, log)
+
+
+def test_tp2_sp_cp2_matches_tp2(tmp_path):
+    base = launch4(["--tensor-model-parallel-size", "2"], tmp_path, "tp2").check()
+    cp = launch4(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2",
+                  "--cp-comm-type", "p2p"], tmp_path, "tp2_sp_cp2").check()
+    assert sorted(cp.losses) == sorted(base.losses) == list(range(1, 11))
+    assert max(abs(cp.losses[i] - base.losses[i]) for i in base.losses) <= 2e-3, (base.losses, cp.losses)
