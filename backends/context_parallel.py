@@ -18,6 +18,9 @@ split) and packed (thd) sequences are one batch row with several documents.
   a2a+p2p    a2a inside the first group of a pair [a2a group, p2p group], then the ring over the
              second (Megatron's hierarchical CP groups, in TE's order).
 
+Attention dropout: masks drawn from one seed per call and rank (the ring's blocks from seed +
+step), so the backward draws them again.
+
 Scores are materialised per block of (local queries x one rank's keys) in fp32: this serves the cpu
 backend and checks the algorithms; GPU kernels would run the blocks fused.
 """
@@ -54,11 +57,32 @@ def _reduce_heads(dk, hkv):
     return dk if hq == hkv else dk.view(b, hkv, hq // hkv, s, d).sum(2)
 
 
-def masked_attention(q, k, v, ok, scale):
+def _dropout_seed(dropout_p, device):
+    """A seed for this call's dropout masks, drawn from the device's default generator (Megatron's
+    model-parallel RNG tracker forks it around the call) and offset by the global rank (ranks of a
+    CP group draw the same seed; their masks must differ), or None without dropout. The ring adds
+    its step."""
+    if not dropout_p:
+        return None
+    base = int(torch.randint(0, 2 ** 60, (1,), device=device).item())
+    return base + (dist.get_rank() if dist.is_initialized() else 0) * 1_000_003
+
+
+def _keep(shape, device, dropout_p, seed):
+    """The dropout scale: 0 where dropped, 1 / (1 - p) where kept, drawn from `seed` (so the
+    backward draws the same)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return (torch.rand(shape, generator=gen, device=device) >= dropout_p).float() / (1.0 - dropout_p)
+
+
+def masked_attention(q, k, v, ok, scale, dropout_p=0.0, seed=None):
     """Autograd-friendly attention under visibility ok [b, 1, sq, sk] (fp32 math, q's dtype out);
     rows that see nothing give 0."""
     s = (q.float() @ _expand(k, q.size(1)).float().transpose(-1, -2)) * scale
     p = torch.softmax(s.masked_fill(~ok, _FILL), -1)
+    if seed is not None:
+        p = p * _keep(p.shape, q.device, dropout_p, seed)
     out = (p @ _expand(v, q.size(1)).float()) * ok.any(-1, keepdim=True)
     return out.to(q.dtype)
 
@@ -118,12 +142,15 @@ def thd_meta(cu_seqlens, cu_seqlens_padded, total, cp_size, cp_rank, device=None
 
 
 # ----------------------------------------------------------------------------- ring (p2p)
-def _block_fwd(q, k, v, ok, scale):
-    """(out fp32, lse fp32 [b, h, sq]) of q against one block of keys; lse -inf where nothing is seen."""
+def _block_fwd(q, k, v, ok, scale, drop=None):
+    """(out fp32, lse fp32 [b, h, sq]) of q against one block of keys; lse -inf where nothing is
+    seen. drop = (dropout_p, seed): the block's probabilities dropped (the normaliser is not)."""
     s = (q.float() @ _expand(k, q.size(1)).float().transpose(-1, -2)) * scale
     s = s.masked_fill(~ok, float("-inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    if drop is not None:
+        p = p * _keep(p.shape, q.device, *drop)
     return p @ _expand(v, q.size(1)).float(), lse
 
 
@@ -136,14 +163,18 @@ def _merge(out, lse, o, l):
     return out * a + o * b, new
 
 
-def _block_bwd(q, k, v, ok, scale, out, dout, lse):
-    """Gradients (fp32) of one block from the final out / lse (flash-attention's backward)."""
+def _block_bwd(q, k, v, ok, scale, out, dout, lse, drop=None):
+    """Gradients (fp32) of one block from the final out / lse (flash-attention's backward, with
+    the forward's dropout masks drawn again from their seed)."""
     hq, hkv = q.size(1), k.size(1)
     kk, vv = _expand(k, hq).float(), _expand(v, hq).float()
     s = (q.float() @ kk.transpose(-1, -2)) * scale
     p = torch.exp(s.masked_fill(~ok, float("-inf")) - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
-    dv = p.transpose(-1, -2) @ dout
+    keep = _keep(p.shape, q.device, *drop) if drop is not None else None
+    dv = (p if keep is None else p * keep).transpose(-1, -2) @ dout
     dp = dout @ vv.transpose(-1, -2)
+    if keep is not None:
+        dp = dp * keep
     ds = p * (dp - (dout * out).sum(-1, keepdim=True))
     dq = (ds @ kk) * scale
     dk = (ds.transpose(-1, -2) @ q.float()) * scale
@@ -164,21 +195,22 @@ def _shift(tensors, group):
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, qpos, qdoc, kpos, kdoc, causal, scale, window_size, group):
+    def forward(ctx, q, k, v, qpos, qdoc, kpos, kdoc, causal, scale, window_size, group, dropout_p, seed):
         size = dist.get_world_size(group)
         out = lse = None
         cur = [k, v, kpos, kdoc]
+        drop = (lambda step: None) if seed is None else (lambda step: (dropout_p, seed + step))
         for step in range(size):
             ok = visible(qpos, qdoc, cur[2], cur[3], causal, window_size)
             if ok.any():
-                out, lse = _merge(out, lse, *_block_fwd(q, cur[0], cur[1], ok, scale))
+                out, lse = _merge(out, lse, *_block_fwd(q, cur[0], cur[1], ok, scale, drop(step)))
             if step < size - 1:
                 cur = _shift(cur, group)
         if out is None:
             out = q.new_zeros(q.shape[:-1] + (v.size(-1),), dtype=torch.float32)
             lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
         ctx.save_for_backward(q, k, v, qpos, qdoc, kpos, kdoc, out, lse)
-        ctx.causal, ctx.scale, ctx.window, ctx.group = causal, scale, window_size, group
+        ctx.causal, ctx.scale, ctx.window, ctx.group, ctx.drop = causal, scale, window_size, group, drop
         return out.to(q.dtype)
 
     @staticmethod
@@ -191,7 +223,7 @@ class _Ring(torch.autograd.Function):
         for step in range(size):
             ok = visible(qpos, qdoc, cur[2], cur[3], ctx.causal, ctx.window)
             if ok.any():
-                gq, gk, gv = _block_bwd(q, cur[0], cur[1], ok, ctx.scale, out, dout, lse)
+                gq, gk, gv = _block_bwd(q, cur[0], cur[1], ok, ctx.scale, out, dout, lse, ctx.drop(step))
                 dq += gq
                 cur[4] += gk
                 cur[5] += gv
@@ -201,7 +233,7 @@ class _Ring(torch.autograd.Function):
                 cur = _shift(cur, ctx.group)
             elif size > 1:
                 cur = cur[:4] + _shift(cur[4:], ctx.group)
-        return (dq.to(q.dtype), cur[4].to(k.dtype), cur[5].to(v.dtype)) + (None,) * 8
+        return (dq.to(q.dtype), cur[4].to(k.dtype), cur[5].to(v.dtype)) + (None,) * 10
 
 
 # ----------------------------------------------------------------------------- collectives with autograd
@@ -271,27 +303,29 @@ def check(comm_type, hq, hkv, group_sizes):
     return None
 
 
-def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type):
+def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type, dropout_p=0.0):
     """q [b, hq, s, d], k/v [b, hkv, s, d(v)]: this rank's tokens; pos/doc [b, s] int64 as in the
-    module docstring; groups: one process group, or [a2a group, p2p group] for a2a+p2p.
-    -> out [b, hq, s, dv] in q's dtype."""
+    module docstring; groups: one process group, or [a2a group, p2p group] for a2a+p2p; dropout on
+    the attention probabilities with masks drawn from one seed per call (the device's default
+    generator). -> out [b, hq, s, dv] in q's dtype."""
     group_list = list(groups) if isinstance(groups, (list, tuple)) else [groups]
     why = check(comm_type, q.size(1), k.size(1), [dist.get_world_size(g) for g in group_list])
     if why:
         raise ValueError(why)
     pos, doc = pos.long(), doc.long()
+    seed = _dropout_seed(dropout_p, q.device)
     if comm_type == "p2p":
-        return _Ring.apply(q, k, v, pos, doc, pos, doc, causal, scale, window_size, group_list[0])
+        return _Ring.apply(q, k, v, pos, doc, pos, doc, causal, scale, window_size, group_list[0], dropout_p, seed)
     if comm_type == "allgather":
         g = group_list[0]
         kf, vf = _AllGatherSeq.apply(k, g), _AllGatherSeq.apply(v, g)
         ok = visible(pos, doc, _gather_meta(pos, g), _gather_meta(doc, g), causal, window_size)
-        return masked_attention(q, kf, vf, ok, scale)
+        return masked_attention(q, kf, vf, ok, scale, dropout_p, seed)
     a2a = group_list[0]
     qa, ka, va = (_AllToAll.apply(t, a2a, True) for t in (q, k, v))
     pa, da = _gather_meta(pos, a2a), _gather_meta(doc, a2a)
     if comm_type == "a2a":
-        out = masked_attention(qa, ka, va, visible(pa, da, pa, da, causal, window_size), scale)
+        out = masked_attention(qa, ka, va, visible(pa, da, pa, da, causal, window_size), scale, dropout_p, seed)
     else:
-        out = _Ring.apply(qa, ka, va, pa, da, pa, da, causal, scale, window_size, group_list[1])
+        out = _Ring.apply(qa, ka, va, pa, da, pa, da, causal, scale, window_size, group_list[1], dropout_p, seed)
     return _AllToAll.apply(out, a2a, False)

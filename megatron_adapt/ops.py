@@ -48,7 +48,8 @@ OPS: dict[str, Op] = {
         "(q[b, hq, s, d], k[b, hkv, s, d], v[b, hkv, s, dv]: this rank's tokens, pos [b, s] int "
         "(position in its document), doc [b, s] int (document, -1 = padding), causal: bool, "
         "scale: float, window_size | None, groups: process group | [a2a group, p2p group], "
-        "comm_type 'p2p'|'allgather'|'a2a'|'a2a+p2p') -> out[b, hq, s, dv]: attention over the "
+        "comm_type 'p2p'|'allgather'|'a2a'|'a2a+p2p', dropout_p: float = 0) -> out[b, hq, s, dv]: "
+        "attention over the "
         "tokens of every rank of the group(s) (backends/context_parallel.py)"),
     "rope": Op(
         ".rope:rope",

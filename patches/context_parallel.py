@@ -12,12 +12,15 @@ What each rank holds is Megatron's: SBHD sequences in 2·CP chunks, this rank's 
 (get_thd_batch_on_this_cp_rank through TE's thd_get_partitioned_indices, served here without TE).
 The op is told each local token's position and document, so both layouts go through one path.
 
+Attention dropout runs under Megatron's model-parallel RNG tracker, as in DotProductAttention.
+
 Refused at construction, naming the flag and the backend: a cp-comm-type outside p2p / allgather
-/ a2a / a2a+p2p, a2a with heads that do not divide by the all-to-all group, attention dropout.
+/ a2a / a2a+p2p, a2a with heads that do not divide by the all-to-all group.
 At the first forward: a local sequence of odd length (the sequence length is not a multiple of
 2·CP), attention bias, softmax offsets, masks other than causal / none, hybrid CP's sbhd
 PackedSeqParams.
 """
+import contextlib
 import copy
 
 from megatron_adapt.spec import PatchSpec
@@ -69,10 +72,6 @@ def setup(module, config, cp_comm_type, pg_collection):
     if why:
         raise ValueError(f"--cp-comm-type {comm} with --context-parallel-size {config.context_parallel_size}: "
                          f"the {backend.name} backend cannot serve it: {why}")
-    if config.attention_dropout > 0:
-        raise ValueError(f"--attention-dropout {config.attention_dropout} with --context-parallel-size "
-                         f"{config.context_parallel_size}: megatron-adapt's context-parallel attention on the "
-                         f"{backend.name} backend has no dropout; set --attention-dropout 0")
     module.adapt_cp = {"groups": groups, "comm": comm, "size": cp_group.size(), "rank": cp_group.rank(),
                        "op": backend.op("attention_cp"), "backend": backend.name}
 
@@ -100,6 +99,7 @@ def forward(module, query, key, value, attention_mask, attn_mask_type=None, atte
             packed_seq_params=None):
     """Core attention over the CP group: [s, b, h, d] (or thd [t, h, d]) in, [s, b, h * dv]
     (thd: [t, h * dv]) out."""
+    from megatron.core import tensor_parallel
     from megatron.core.transformer.enums import AttnMaskType
 
     st = module.adapt_cp
@@ -125,7 +125,11 @@ def forward(module, query, key, value, attention_mask, attn_mask_type=None, atte
     else:                                  # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
     pos, doc = _meta(module, q.size(2), q.size(0), packed_seq_params, q.device)
-    out = st["op"](q, k, v, pos, doc, causal, scale, window, st["groups"], st["comm"])
+    dropout_p = module.attention_dropout.p if module.training else 0.0
+    rng = (tensor_parallel.get_cuda_rng_tracker().fork()
+           if dropout_p > 0 and not module.config.sequence_parallel else contextlib.nullcontext())
+    with rng:
+        out = st["op"](q, k, v, pos, doc, causal, scale, window, st["groups"], st["comm"], dropout_p)
     if packed_seq_params is not None:
         return out[0].transpose(0, 1).reshape(out.size(2), -1)
     return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)

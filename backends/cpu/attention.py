@@ -16,6 +16,7 @@ def attention_thd(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded=None
 
 
 
-def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type):
+def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type, dropout_p=0.0):
     report.ran("attention_cp", f"cpu.torch.{comm_type}")
-    return context_parallel.attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type)
+    return context_parallel.attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type,
+                                         dropout_p)

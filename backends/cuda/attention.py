@@ -192,6 +192,7 @@ CP_WHY = ("context parallelism runs its attention blocks in torch math with the 
           "(backends/context_parallel.py): no fused ring kernel on the cuda backend yet")
 
 
-def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type):
+def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type, dropout_p=0.0):
     report.fell_back("attention_cp", f"cuda.torch.{comm_type}", CP_WHY)
-    return context_parallel.attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type)
+    return context_parallel.attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type,
+                                         dropout_p)

@@ -4,7 +4,7 @@ gloo, 2 processes, fp32, the default --transformer-impl (TE spec served by megat
 batch), 10 steps, max |Δloss| <= 2e-3; and the refusals at start: a sequence length 2·CP does not
 divide (Megatron's own message), a cp-comm-type the backend cannot serve for these heads (a2a with
 one key/value head: ours, naming the flag and the backend), the area switched off (Megatron's
-assertion comes back). And with 4 processes: TP=2 + --sequence-parallel + CP=2 (p2p) against TP=2
+assertion comes back); Megatron's default dropout at CP=2 trains. And with 4 processes: TP=2 + --sequence-parallel + CP=2 (p2p) against TP=2
 (DP=2). Dropout off: CP and DP draw different dropout masks. Each launch ~20-30 s on two CPU
 cores; the file ~3.5 minutes. Needs MEGATRON_LM_PATH."""
 from __future__ import annotations
@@ -51,6 +51,14 @@ def test_cp2_matches_cp1(tmp_path_factory, comm):
     assert "megatron.core.utils:get_thd_batch_on_this_cp_rank" in cp.out
     assert impls(cp, "attention_cp") == {f"cpu.torch.{comm}"}
     assert not impls(base, "attention_cp")
+
+
+def test_cp2_with_megatrons_default_dropout_trains(tmp_path):
+    """--attention-dropout 0.1 / --hidden-dropout 0.1 (Megatron's defaults) at CP=2: the masks
+    differ from CP=1's, so no parity, but it runs and learns."""
+    run_ = pretrain([*LLAMA, "--context-parallel-size", "2"], tmp_path, "cp2_dropout").check()
+    assert sorted(run_.losses) == list(range(1, 11))
+    assert_loss_falls(run_)
 
 
 def test_sequence_length_not_divisible_by_2cp_is_refused(tmp_path):

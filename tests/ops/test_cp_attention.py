@@ -69,6 +69,50 @@ def _case(rank, name, layout, comm, dtype, window, groups):
             for j, what in enumerate(("out", "dq", "dk", "dv"))}
 
 
+def _dropout_case(rank, comm, groups):
+    """Attention dropout: with one torch seed the masks repeat, so the output is a function of the
+    inputs; its gradient (the op's backward, masks drawn again) must match central differences of
+    the loss summed over both ranks, along a random direction."""
+    import torch.distributed as dist
+    from megatron_adapt.backends import context_parallel as cp
+    from megatron_adapt.backends.cpu.attention import attention_cp
+
+    b, s, hq, hkv, d = 2, 16, 4, 2, 8
+    g = torch.Generator().manual_seed(4)
+    full = [torch.randn(b, h, s, d, generator=g) for h in (hq, hkv, hkv)]
+    dirs = [torch.randn(t.shape, generator=g) for t in full]
+    gout = torch.randn(b, hq, s, d, generator=g)
+    pos, doc = cp.sbhd_meta(b, s // 2, 2, rank)
+    idx = pos[0]
+    xs = [t[:, :, idx].clone() for t in full]
+    ds = [t[:, :, idx] for t in dirs]
+
+    def loss(inputs, p=0.3):
+        torch.manual_seed(11)
+        out = attention_cp(*inputs, pos, doc, True, 0.4, None, groups[comm], comm.split("/")[0], p)
+        return out, (out * gout[:, :, idx]).sum()
+
+    def total(t):
+        t = t.detach().clone()
+        dist.all_reduce(t)
+        return t.item()
+    leaves = [x.clone().requires_grad_(True) for x in xs]
+    out, l = loss(leaves)
+    l.backward()
+    analytic = total(sum((x.grad * dd).sum() for x, dd in zip(leaves, ds)))
+    eps = 1e-2
+    plus = total(loss([x + eps * dd for x, dd in zip(xs, ds)])[1])
+    minus = total(loss([x - eps * dd for x, dd in zip(xs, ds)])[1])
+    numeric = (plus - minus) / (2 * eps)
+    again, _ = loss(xs)
+    plain, _ = loss(xs, 0.0)
+    return {"analytic": analytic, "numeric": numeric, "repeats": bool(torch.equal(again, out.detach())),
+            "changes": (plain - out.detach()).abs().max().item()}
+
+
+DROPOUT = ["p2p", "allgather", "a2a", "a2a+p2p/1x2"]
+
+
 def _worker(rank, port, q):
     import torch.distributed as dist
 
@@ -84,6 +128,11 @@ def _worker(rank, port, q):
             res[name] = _case(rank, name, layout, comm, dtype, window, groups)
         except Exception as exc:  # noqa: BLE001 (reported to the test)
             res[name] = f"{type(exc).__name__}: {exc}"
+    for comm in DROPOUT:
+        try:
+            res[f"dropout-{comm}"] = _dropout_case(rank, comm, groups)
+        except Exception as exc:  # noqa: BLE001 (reported to the test)
+            res[f"dropout-{comm}"] = f"{type(exc).__name__}: {exc}"
     from megatron_adapt import report
     res["impls"] = sorted(report.op_counts().get("attention_cp", {}))
     q.put((rank, res))
@@ -120,6 +169,14 @@ def test_cp_attention_matches_full_attention(name, layout, comm, dtype, window):
         err = results()[rank][name]
         assert isinstance(err, dict), err
         assert max(err.values()) <= tol, (rank, err)
+
+
+@pytest.mark.parametrize("comm", DROPOUT)
+def test_dropout_gradient_matches_central_differences(comm):
+    res = results()[0][f"dropout-{comm}"]
+    assert isinstance(res, dict), res
+    assert res["repeats"] and res["changes"] > 1e-2, res
+    assert abs(res["analytic"] - res["numeric"]) <= 2e-3 * max(1.0, abs(res["numeric"])), res
 
 
 def test_report_names_each_comm_type():
