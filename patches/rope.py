@@ -117,9 +117,10 @@ def build_fused_thd(backend, original):
     cp_rank - 1 of each sequence (TE's and Megatron's thd split)."""
     rope = backend.op("rope")
 
-    def fused_apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_size=1, cp_rank=0):
+    def fused_apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_size=1, cp_rank=0, interleaved=False):
+        # (`interleaved`: core_v0.17+ passes config.rotary_interleaved)
         pos = _positions(cu_seqlens, t.size(0), cp_rank, cp_size)
-        return rope(t.unsqueeze(1), freqs[pos], False).squeeze(1)
+        return rope(t.unsqueeze(1), freqs[pos], interleaved).squeeze(1)
     return fused_apply_rotary_pos_emb_thd
 
 

@@ -1,8 +1,9 @@
 """Packed (thd) sequences under context parallelism through Megatron's GPTModel (TE spec served by
 megatron-adapt, cpu backend, 2 gloo processes, fp32): each rank takes its part of the packed batch
-through megatron.core.utils.get_thd_batch_on_this_cp_rank (TE's thd_get_partitioned_indices,
-served without TE: each document's padded slot in 2·CP chunks, documents crossing chunk
-boundaries), runs the model with --cp-comm-type p2p or a2a, RoPE fusion on (megatron-adapt's
+through megatron.core.utils.get_thd_batch_on_this_cp_rank (core 0.16; TE's
+thd_get_partitioned_indices served without TE: each document's padded slot in 2·CP chunks,
+documents crossing chunk boundaries; on core 0.17+, which has no such function, the same split
+through backends/context_parallel.thd_partitioned_indices), runs the model with --cp-comm-type p2p or a2a, RoPE fusion on (megatron-adapt's
 fused thd RoPE) and off (Megatron's own), and must give the per-token losses of the same packed
 batch at CP=1 (within 2e-3; they land near 1e-6) and, summed over the CP group, the same gradients
 (1e-4 relative). Also: a local sequence of odd length is refused naming the flag and backend."""
@@ -77,7 +78,14 @@ def _worker(rank, port, q):
                 m.load_state_dict(state)
                 batch = {"tokens": tokens.clone(), "labels": labels.clone(), "real": real.clone(),
                          "index": torch.arange(total)[None]}
-                batch, packed = core_utils.get_thd_batch_on_this_cp_rank(batch, cu, cu_p, torch.tensor([max(SLOTS)]))
+                split = getattr(core_utils, "get_thd_batch_on_this_cp_rank", None)
+                if split is not None:      # core 0.15-0.16: Megatron's split, TE's indices served
+                    batch, packed = split(batch, cu, cu_p, torch.tensor([max(SLOTS)]))
+                else:                      # core 0.17+: the same split through the op-level indices
+                    from megatron_adapt.backends import context_parallel as cpmod
+                    index = cpmod.thd_partitioned_indices(cu_p, total, 2, parallel_state.get_context_parallel_rank())
+                    batch = {k: t.index_select(1, index) for k, t in batch.items()}
+                    packed = params()
                 loss = m(batch["tokens"], batch["index"], None, labels=batch["labels"], packed_seq_params=packed)
                 (loss * batch["real"]).sum().backward()
                 grad_rel = 0.0
