@@ -15,7 +15,8 @@ The op is told each local token's position and document, so both layouts go thro
 Attention dropout runs under Megatron's model-parallel RNG tracker, as in DotProductAttention.
 
 Refused at construction, naming the flag and the backend: a cp-comm-type outside p2p / allgather
-/ a2a / a2a+p2p, a2a with heads that do not divide by the all-to-all group.
+/ a2a / a2a+p2p, a2a with heads that do not divide by the all-to-all group, core_v0.19's
+--dataloader-inter-document-masking (split per sequence, not per document) with CP.
 At the first forward: a local sequence of odd length (the sequence length is not a multiple of
 2·CP), attention bias, softmax offsets, masks other than causal / none, hybrid CP's sbhd
 PackedSeqParams.
@@ -67,6 +68,7 @@ def setup(module, config, cp_comm_type, pg_collection):
                              f"{None if not groups else len(groups)}")
     else:
         groups = cp_group
+    _refuse_sequence_balanced_thd(config, backend)
     sizes = [g.size() for g in groups] if isinstance(groups, (list, tuple)) else [groups.size()]
     why = cp.check(comm, module.num_attention_heads_per_partition, module.num_query_groups_per_partition, sizes)
     if why:
@@ -74,6 +76,23 @@ def setup(module, config, cp_comm_type, pg_collection):
                          f"the {backend.name} backend cannot serve it: {why}")
     module.adapt_cp = {"groups": groups, "comm": comm, "size": cp_group.size(), "rank": cp_group.rank(),
                        "op": backend.op("attention_cp"), "backend": backend.name}
+
+
+def _refuse_sequence_balanced_thd(config, backend):
+    """core_v0.19's pretrain_gpt.py splits --dataloader-inter-document-masking batches (without
+    --sft) over CP ranks per sequence, not per document: packed documents are then cut anywhere,
+    which this attention's THD layout (TE's per-document split) does not describe."""
+    try:
+        from megatron.training.global_vars import get_args
+        args = get_args()
+    except Exception:  # noqa: BLE001 (no megatron.training, or no parsed arguments: not pretrain_gpt)
+        return
+    if getattr(args, "dataloader_inter_document_masking", False) and not getattr(args, "sft", False):
+        raise NotImplementedError(
+            f"--dataloader-inter-document-masking with --context-parallel-size {config.context_parallel_size}: "
+            f"megatron-adapt's context-parallel attention on the {backend.name} backend serves packed sequences "
+            "split per document (TE's thd_get_partitioned_indices); Megatron splits these batches per "
+            "sequence. Use --context-parallel-size 1 with it")
 
 
 def _meta(module, s_local, b, packed, device):

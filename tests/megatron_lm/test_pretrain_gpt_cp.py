@@ -99,3 +99,26 @@ def test_tp2_sp_cp2_matches_tp2(tmp_path):
                   "--cp-comm-type", "p2p"], tmp_path, "tp2_sp_cp2").check()
     assert sorted(cp.losses) == sorted(base.losses) == list(range(1, 11))
     assert max(abs(cp.losses[i] - base.losses[i]) for i in base.losses) <= 2e-3, (base.losses, cp.losses)
+
+
+def _has_inter_document_masking() -> bool:
+    path = os.path.join(LM or "", "megatron", "training", "arguments.py")
+    return os.path.isfile(path) and "--dataloader-inter-document-masking" in open(path).read()
+
+
+@pytest.mark.skipif(not _has_inter_document_masking(),
+                    reason="this Megatron-LM checkout has no --dataloader-inter-document-masking (core_v0.19+)")
+def test_inter_document_masking_runs_thd_and_refuses_cp(tmp_path):
+    """core_v0.19: --dataloader-inter-document-masking packs each sample's documents (thd): served
+    by attention_thd at CP=1; at CP=2 Megatron splits those batches per sequence, which is refused
+    naming the flags and the backend."""
+    report = tmp_path / "report.json"
+    run_ = pretrain([*CP_ARGS, "--dataloader-inter-document-masking"], tmp_path, "idm", iters=5,
+                    env={"MEGATRON_ADAPT_REPORT": str(report)}).check()
+    run_.report = report
+    assert impls(run_, "attention_thd") == {"cpu.torch.sdpa.per_sequence"}
+    assert not impls(run_, "attention")
+    bad = pretrain([*CP_ARGS, "--dataloader-inter-document-masking", "--context-parallel-size", "2"], tmp_path,
+                   "idm_cp2", iters=1)
+    assert bad.rc != 0 and ("--dataloader-inter-document-masking with --context-parallel-size 2: megatron-adapt's "
+                            "context-parallel attention on the cpu backend") in bad.out
