@@ -9,7 +9,9 @@ own assertion.
 
 What each rank holds is Megatron's: SBHD sequences in 2·CP chunks, this rank's chunks cp_rank and
 2·CP-1-cp_rank (get_batch_on_this_cp_rank); packed THD sequences split the same way per sequence
-(get_thd_batch_on_this_cp_rank through TE's thd_get_partitioned_indices, served here without TE).
+(core 0.16's get_thd_batch_on_this_cp_rank and core 0.19's
+_get_batch_on_this_cp_rank_per_document_balancing, through TE's thd_get_partitioned_indices,
+served here without TE).
 The op is told each local token's position and document, so both layouts go through one path.
 
 Attention dropout runs under Megatron's model-parallel RNG tracker, as in DotProductAttention.
@@ -183,7 +185,28 @@ def build_thd_batch(backend, original):
     return get_thd_batch_on_this_cp_rank
 
 
+def build_per_document_split(backend, original):
+    """core_v0.19's megatron.core.utils._get_batch_on_this_cp_rank_per_document_balancing (the CP
+    split of --sft's packed batches), whose indices come from TE's tex.thd_get_partitioned_indices:
+    the same, with megatron-adapt's indices. The group's size and rank are read from the group."""
+    from megatron_adapt.backends import context_parallel as cp
+
+    def _get_batch_on_this_cp_rank_per_document_balancing(batch, cp_group):
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        if cp_size > 1:
+            cu = batch["cu_seqlens_padded"] if batch["cu_seqlens_padded"] is not None else batch["cu_seqlens"]
+            total = batch["tokens"].size(1) if batch["tokens"] is not None else batch["labels"].size(1)
+            index = cp.thd_partitioned_indices(cu[0], total, cp_size, cp_rank)
+            for key in ("tokens", "labels", "loss_mask", "position_ids"):
+                if batch.get(key) is not None:
+                    batch[key] = batch[key].index_select(1, index)
+        return batch
+    return _get_batch_on_this_cp_rank_per_document_balancing
+
+
 SPECS = [
     PatchSpec("megatron.core.utils:get_thd_batch_on_this_cp_rank", area=AREA, build=build_thd_batch,
               versions=">=0.15.0,<0.17.0"),
+    PatchSpec("megatron.core.utils:_get_batch_on_this_cp_rank_per_document_balancing", area=AREA,
+              build=build_per_document_split, versions=">=0.19.0,<0.20.0"),
 ]
