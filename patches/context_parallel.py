@@ -160,7 +160,6 @@ def forward(module, query, key, value, attention_mask, attn_mask_type=None, atte
 def build_thd_batch(backend, original):
     """megatron.core.utils.get_thd_batch_on_this_cp_rank (core 0.15-0.16), whose CP split calls
     TE's tex.thd_get_partitioned_indices: the same, with megatron-adapt's indices."""
-    import torch  # noqa: F401
 
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
