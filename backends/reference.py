@@ -129,6 +129,89 @@ def attention(q, k, v, attn_mask=None, causal=False, scale=None, dropout_p=0.0, 
         is_causal=use_causal, scale=scale, enable_gqa=k.size(1) != q.size(1))
 
 
+# ----------------------------------------------------------------------------- packed (thd) attention
+def thd_segments(cu_seqlens, cu_seqlens_padded, total: int, name: str = "cu_seqlens") -> list[tuple[int, int]]:
+    """[(start, length)] of each packed sequence in a [T, ...] tensor, from Megatron's PackedSeqParams:
+    sequence i holds the tokens [start_i, start_i + length_i), start_i = cu_seqlens_padded[i] (or
+    cu_seqlens[i] without padding), length_i = cu_seqlens[i + 1] - cu_seqlens[i]; the rest of its
+    padded slot is padding. Raises ValueError naming the argument on malformed offsets."""
+    cu = _offsets(cu_seqlens, name)
+    if cu_seqlens_padded is None:
+        padded = cu
+    else:
+        padded = _offsets(cu_seqlens_padded, f"{name}_padded")
+        if len(padded) != len(cu):
+            raise ValueError(f"{name}_padded has {len(padded)} entries, {name} {len(cu)}")
+    segments = []
+    for i in range(len(cu) - 1):
+        length, slot = cu[i + 1] - cu[i], padded[i + 1] - padded[i]
+        if length > slot:
+            raise ValueError(f"sequence {i}: length {length} ({name}) exceeds its padded slot {slot} "
+                             f"({name}_padded)")
+        segments.append((padded[i], length))
+    if padded[-1] > total:
+        raise ValueError(f"{name} ends at {padded[-1]}, past the {total} packed tokens")
+    return segments
+
+
+def _offsets(cu, name) -> list[int]:
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.is_floating_point() or cu.numel() < 2:
+        raise ValueError(f"{name} must be a 1-D integer tensor of n + 1 cumulative offsets, got "
+                         f"{getattr(cu, 'shape', type(cu).__name__)} {getattr(cu, 'dtype', '')}")
+    vals = [int(x) for x in cu.tolist()]
+    if vals[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {vals[0]}")
+    bad = [i for i in range(len(vals) - 1) if vals[i + 1] < vals[i]]
+    if bad:
+        i = bad[0]
+        raise ValueError(f"{name} must be non-decreasing cumulative offsets: entry {i + 1} ({vals[i + 1]}) < "
+                         f"entry {i} ({vals[i]})")
+    return vals
+
+
+def check_thd(q, k, v):
+    """q [T, hq, d], k/v [T, hkv, d(v)] with hq a multiple of hkv, or ValueError."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"packed (thd) attention takes q/k/v as [T, heads, d], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.size(1) % k.size(1) or k.size(1) != v.size(1):
+        raise ValueError(f"heads q={q.size(1)} k={k.size(1)} v={v.size(1)}: q heads must be a multiple of "
+                         "k/v heads")
+
+
+def _zero_rows(t, n):
+    return t.new_zeros((n,) + tuple(t.shape[1:]))
+
+
+def attention_thd(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+                  causal=True, scale=None, dropout_p=0.0, window_size=None):
+    """Each packed sequence on its own through `attention` (bottom-right causal alignment where its
+    q and kv lengths differ); padding and tokens after the last sequence get zero output."""
+    check_thd(q, k, v)
+    segs_q = thd_segments(cu_seqlens_q, cu_seqlens_q_padded, q.size(0), "cu_seqlens_q")
+    segs_kv = thd_segments(cu_seqlens_kv, cu_seqlens_kv_padded, k.size(0), "cu_seqlens_kv")
+    if len(segs_q) != len(segs_kv):
+        raise ValueError(f"cu_seqlens_q has {len(segs_q)} sequences, cu_seqlens_kv {len(segs_kv)}")
+    pieces, at = [], 0
+    dv = v.size(-1)
+    out_rows = lambda n: q.new_zeros(n, q.size(1), dv)
+    for (qs, ql), (ks, kl) in zip(segs_q, segs_kv):
+        if qs > at:
+            pieces.append(out_rows(qs - at))
+        if ql:
+            if kl:
+                o = attention(q[qs:qs + ql].transpose(0, 1).unsqueeze(0), k[ks:ks + kl].transpose(0, 1).unsqueeze(0),
+                              v[ks:ks + kl].transpose(0, 1).unsqueeze(0), None, causal, scale, dropout_p,
+                              window_size)
+                pieces.append(o[0].transpose(0, 1))
+            else:
+                pieces.append(out_rows(ql))
+        at = qs + ql
+    if at < q.size(0):
+        pieces.append(out_rows(q.size(0) - at))
+    return torch.cat(pieces)
+
+
 # ----------------------------------------------------------------------------- rope
 def _rotate_half(x, interleaved):
     if not interleaved:

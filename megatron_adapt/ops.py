@@ -35,6 +35,22 @@ OPS: dict[str, Op] = {
         "(q[b, hq, sq, d], k[b, hkv, sk, d], v[b, hkv, sk, d], attn_mask bool True=masked "
         "broadcastable to [b, hq, sq, sk] | None, causal: bool, scale: float | None, dropout_p:"
         " float, window_size | None) -> out[b, hq, sq, d]"),
+    "attention_thd": Op(
+        ".attention:attention_thd",
+        "(q[T, hq, d], k[T, hkv, d], v[T, hkv, dv], cu_seqlens_q [n+1] int, cu_seqlens_kv [n+1] int, "
+        "cu_seqlens_q_padded [n+1] | None, cu_seqlens_kv_padded [n+1] | None, causal: bool, scale: "
+        "float | None, dropout_p: float, window_size | None) -> out[T, hq, dv]: packed (thd) "
+        "sequences, each attending only within itself (Megatron's PackedSeqParams); sequence i's "
+        "tokens start at cu_seqlens_*_padded[i] (cu_seqlens_*[i] without padding), padding rows "
+        "give zeros. Malformed offsets raise ValueError"),
+    "attention_cp": Op(
+        ".attention:attention_cp",
+        "(q[b, hq, s, d], k[b, hkv, s, d], v[b, hkv, s, dv]: this rank's tokens, pos [b, s] int "
+        "(position in its document), doc [b, s] int (document, -1 = padding), causal: bool, "
+        "scale: float, window_size | None, groups: process group | [a2a group, p2p group], "
+        "comm_type 'p2p'|'allgather'|'a2a'|'a2a+p2p', dropout_p: float = 0) -> out[b, hq, s, dv]: "
+        "attention over the "
+        "tokens of every rank of the group(s) (backends/context_parallel.py)"),
     "rope": Op(
         ".rope:rope",
         "(t[s, b, h, d], freqs[s, 1, 1, r] angles (r <= d), interleaved: bool) -> t with its "

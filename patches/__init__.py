@@ -13,6 +13,7 @@ AREAS = (
     "norms",
     "softmax",
     "attention",
+    "context_parallel",
     "rope",
     "activations",
     "bias_dropout_add",

@@ -5,8 +5,14 @@ takes q/k/v as [b, h, s, d] views of Megatron's [s, b, h, d] tensors (or, with
 MEGATRON_ADAPT_ATTENTION_LAYOUT=bshd / tests_gpt's --shape_order BSH, of batch-first copies:
 the kernel then reads [b, s, h, d] memory, the layout flash kernels are written for), GQA without repeating k/v,
 causal / padding / arbitrary masks, sliding windows and dropout (under the model-parallel RNG
-tracker, as Megatron's dropout is). Softmax offsets, attention bias and packed sequences keep
-Megatron's own path, reported as a fallback.
+tracker, as Megatron's dropout is). Softmax offsets and attention bias keep Megatron's own path,
+reported as a fallback.
+
+Packed sequences (`packed_seq_params.qkv_format == "thd"`: q/k/v [T, heads, d], Megatron's
+Attention squeezed the batch of 1) go to the backend's `attention_thd` op with the PackedSeqParams'
+cu_seqlens (and cu_seqlens_*_padded), causal within each sequence for the causal mask types, the
+layer's sliding window and dropout; [T, heads * dv] comes back. Megatron's own path cannot take
+them (it asserts and names TE), so what the op cannot serve with them is refused here, naming it.
 """
 import contextlib
 
@@ -22,8 +28,6 @@ def build(backend, original):
     from megatron.core.transformer.enums import AttnMaskType
 
     def unsupported(self, attention_mask, attn_mask_type, attention_bias, packed_seq_params):
-        if packed_seq_params is not None:
-            return "packed sequences (thd)"
         if attention_bias is not None:
             return "attention_bias"
         if getattr(self, "softmax_offset", None) is not None:
@@ -32,8 +36,36 @@ def build(backend, original):
             return "additive float mask"
         return None
 
+    attention_thd = backend.op("attention_thd")
+
+    def forward_thd(self, query, key, value, attn_mask_type, attention_bias, p):
+        if p.qkv_format != "thd":
+            raise NotImplementedError(
+                f"PackedSeqParams(qkv_format={p.qkv_format!r}) (--hybrid-context-parallel builds these) "
+                f"is not served by megatron-adapt's attention on the {backend.name} backend: packed "
+                "sequences are served as qkv_format='thd'")
+        if attention_bias is not None or getattr(self, "softmax_offset", None) is not None:
+            raise NotImplementedError(
+                "packed sequences (thd) with " + ("attention_bias" if attention_bias is not None else
+                                                  "a softmax offset (--softmax-type)") +
+                f": megatron-adapt's attention_thd op on the {backend.name} backend takes neither")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal,
+                               AttnMaskType.causal_bottom_right)
+        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        rng = (tensor_parallel.get_cuda_rng_tracker().fork()
+               if dropout_p > 0 and not self.config.sequence_parallel else contextlib.nullcontext())
+        with rng:
+            out = attention_thd(query, key, value, p.cu_seqlens_q, p.cu_seqlens_kv, p.cu_seqlens_q_padded,
+                                p.cu_seqlens_kv_padded, causal, scale, dropout_p,
+                                self.scale_mask_softmax.window_size)
+        return out.reshape(out.size(0), -1)
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
+        if packed_seq_params is not None:
+            return forward_thd(self, query, key, value, attn_mask_type, attention_bias, packed_seq_params)
         why = unsupported(self, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
         if why:
             report.fell_back("attention", "megatron.DotProductAttention", why)

@@ -241,6 +241,8 @@ def core_attention_class():
 def _build_core_attention():
     import math
 
+    from megatron_adapt.patches import context_parallel
+
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class AdaptDotProductAttention(DotProductAttention):
@@ -249,14 +251,23 @@ def _build_core_attention():
         `config.kv_channels` and from each other, as multi-latent attention asks (q/k head dim
         qk_head_dim + qk_pos_emb_head_dim, v head dim v_head_dim). The output is
         [sq, b, heads_per_partition * v_channels]. `num_splits` (flash-attention's split-KV count
-        for decoding) only changes how a kernel partitions its work, not the result."""
+        for decoding) only changes how a kernel partitions its work, not the result.
+
+        With --context-parallel-size > 1 it takes the CP group and --cp-comm-type as
+        TEDotProductAttention does and runs patches/context_parallel's forward (the backend's
+        attention_cp op); Megatron's parent is built with CP 1, its TE-only assertion."""
 
         def __init__(self, config, layer_number, attn_mask_type, attention_type,
                      attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None,
                      num_splits=None, cp_comm_type=None, pg_collection=None):
-            super().__init__(config, layer_number, attn_mask_type, attention_type,
-                             attention_dropout=attention_dropout, softmax_scale=softmax_scale,
-                             cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+            cp = context_parallel.served(config)
+            super().__init__(context_parallel.construction_config(config) if cp else config, layer_number,
+                             attn_mask_type, attention_type, attention_dropout=attention_dropout,
+                             softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+            self.adapt_cp = None
+            if cp:
+                self.config = config
+                context_parallel.setup(self, config, cp_comm_type, pg_collection)
             k = k_channels if k_channels is not None else config.kv_channels
             v = v_channels if v_channels is not None else config.kv_channels
             self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v = k, v
@@ -267,6 +278,14 @@ def _build_core_attention():
                     if config.apply_query_key_layer_scaling:
                         self.softmax_scale /= max(1, layer_number)
             self.hidden_size_per_partition = v * self.num_attention_heads_per_partition
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if self.adapt_cp is not None:
+                return context_parallel.forward(self, query, key, value, attention_mask, attn_mask_type,
+                                                attention_bias, packed_seq_params)
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                   packed_seq_params)
 
     return AdaptDotProductAttention
 

@@ -110,6 +110,20 @@ def build_mla_rope_kv(backend, original):
     return fused_apply_mla_rope_for_kv
 
 
+def build_fused_thd(backend, original):
+    """TE's fused RoPE for packed (thd) tensors: t [T, h, d], freqs [max_s, 1, 1, r], each token
+    rotated by its position in its sequence (cu_seqlens: Megatron passes the padded offsets where
+    it has them); under context parallelism this rank holds chunks cp_rank and 2 * cp_size -
+    cp_rank - 1 of each sequence (TE's and Megatron's thd split)."""
+    rope = backend.op("rope")
+
+    def fused_apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_size=1, cp_rank=0, interleaved=False):
+        # (`interleaved`: core_v0.17+ passes config.rotary_interleaved)
+        pos = _positions(cu_seqlens, t.size(0), cp_rank, cp_size)
+        return rope(t.unsqueeze(1), freqs[pos], interleaved).squeeze(1)
+    return fused_apply_rotary_pos_emb_thd
+
+
 def build_fused(backend, original):
     rope = backend.op("rope")
 
@@ -124,6 +138,8 @@ SPECS = [
     PatchSpec(f"{MODULE}:_apply_rotary_pos_emb_bshd", area="rope", build=build_bshd_mla_interleaved,
               versions=">=0.19.0,<0.20.0"),
     PatchSpec(f"{MODULE}:fused_apply_rotary_pos_emb", area="rope", build=build_fused,
+              check_signature=False),
+    PatchSpec(f"{MODULE}:fused_apply_rotary_pos_emb_thd", area="rope", build=build_fused_thd,
               check_signature=False),
     PatchSpec(f"{MLA}:fused_apply_mla_rope_for_q", area="rope", build=build_mla_rope_q,
               backends=("cpu", "npu")),

@@ -381,6 +381,57 @@ def bench_attention(be, args, dev):
                note="local DotProductAttention: baddbmm + torch softmax + bmm")
 
 
+def thd_lengths(n_docs, total, seed=0):
+    """n_docs random document lengths (each >= 1) summing to total."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(total - 1, generator=g)[: n_docs - 1].add(1).sort().values.tolist()
+    edges = [0] + cuts + [total]
+    return [b - a for a, b in zip(edges, edges[1:])]
+
+
+def bench_attention_thd(be, args, dev, h=16, d=128, n_docs=8):
+    """Packed (thd) attention, issue 22: 8 documents of random lengths summing to --thd-tokens, 16
+    heads, d128, bf16, causal within each document. TFLOP/s count only the within-document work
+    (sum of L_i^2 / 2), so every row is comparable with the dense causal row at the same total
+    length (which counts T^2 / 2): ours (the op: one padded batch through SDPA), one SDPA call
+    per document, dense SDPA under the block-diagonal causal mask, and dense causal SDPA."""
+    from megatron_adapt import report
+    total = args.thd_tokens
+    lengths = thd_lengths(n_docs, total)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    q, k, v = (torch.randn(total, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dy = torch.randn_like(q)
+    doc_flops = 3.5 * 4 * h * d * sum(n * n for n in lengths) / 2
+    dense_flops = 3.5 * 4 * h * d * total * total / 2
+    shape = f"T{total} docs {lengths} h{h} d{d} bf16"
+    op = be.op("attention_thd")
+    report.reset_op_counts()
+    op(q, k, v, cu, cu, causal=True)
+    path = ",".join(report.op_counts().get("attention_thd", {}))
+    record("attention_thd", shape, "ours", fwd_bwd(lambda: op(q, k, v, cu, cu, causal=True), [q, k, v], dy),
+           flops=doc_flops, note=path)
+
+    def per_document():
+        outs, at = [], 0
+        for n in lengths:
+            sl = slice(at, at + n)
+            outs.append(F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1),
+                                                       v[sl].transpose(0, 1), is_causal=True).transpose(0, 1))
+            at += n
+        return torch.cat(outs)
+    record("attention_thd", shape, "sdpa_per_document", fwd_bwd(per_document, [q, k, v], dy), flops=doc_flops)
+    doc = torch.repeat_interleave(torch.arange(n_docs, device=dev), torch.tensor(lengths, device=dev))
+    keep = (doc[:, None] == doc[None, :]) & torch.ones(total, total, dtype=torch.bool, device=dev).tril()
+    dense = (lambda **kw: F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), **kw)
+             [0].transpose(0, 1))
+    record("attention_thd", shape, "sdpa_block_diagonal_mask",
+           fwd_bwd(lambda: dense(attn_mask=keep), [q, k, v], dy),
+           flops=doc_flops, note="dense scores under the document mask")
+    record("attention_thd", shape, "dense_causal_same_T",
+           fwd_bwd(lambda: dense(is_causal=True), [q, k, v], dy),
+           flops=dense_flops, note="the target: THD >= 80% of this TFLOP/s")
+
+
 def bench_adam(be, args, dev):
     n, chunks = args.adam_params, 64
     size = n // chunks
@@ -551,9 +602,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="cuda", choices=["cuda"])
     p.add_argument("--out", required=True)
-    p.add_argument("--ops", default="norms,softmax,swiglu,dropout,rope,ce,attention,adam,multi_tensor,ssm",
+    p.add_argument("--ops", default="norms,softmax,swiglu,dropout,rope,ce,attention,attention_thd,adam,multi_tensor,ssm",
                    help="comma-separated subset of the default list")
     p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--thd-tokens", type=int, default=16384, help="attention_thd: packed tokens (8 documents)")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ce-tokens", type=int, default=8192)
     p.add_argument("--adam-params", type=int, default=10 ** 9)
@@ -570,7 +622,7 @@ def main(argv=None):
     measure_copy(dev)
     table = dict(norms=bench_norms, softmax=bench_softmax, swiglu=bench_swiglu, dropout=bench_dropout, rope=bench_rope,
                  ce=bench_ce, attention=bench_attention, adam=bench_adam, multi_tensor=bench_multi_tensor,
-                 ssm=bench_ssm)
+                 ssm=bench_ssm, attention_thd=bench_attention_thd)
     for name in args.ops.split(","):
         print(f"[{name}]", flush=True)
         try:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_adapt import report
+from megatron_adapt.backends import context_parallel, reference
 from megatron_adapt.backends.reference import build_mask
 from megatron_adapt.backends.cuda import providers
 
@@ -125,3 +126,73 @@ def attention(q, k, v, attn_mask=None, causal=False, scale=None, dropout_p=0.0, 
         report.ran("attention", impl)
     return _sdpa(q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=use_causal, scale=scale,
                  enable_gqa=gqa)
+
+
+def _padded_index(segs, device):
+    """[n, L] source rows of each sequence, padded by repeating its last row, and the valid mask."""
+    n, longest = len(segs), max(length for _, length in segs)
+    pos = torch.arange(longest)
+    starts = torch.tensor([s for s, _ in segs]).unsqueeze(1)
+    lengths = torch.tensor([length for _, length in segs]).unsqueeze(1)
+    valid = pos.unsqueeze(0) < lengths
+    idx = starts + torch.minimum(pos.unsqueeze(0), lengths - 1)
+    return idx.to(device), valid.to(device), n, longest
+
+
+def attention_thd(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+                  causal=True, scale=None, dropout_p=0.0, window_size=None):
+    """Packed sequences as one padded batch [n, h, L, d] through SDPA: causal self-attention goes as
+    is_causal (a sequence's trailing padding lies after all its queries, so it is never seen: the
+    flash / cuDNN kernels serve it); windows and non-causal calls add a key-padding mask. Sequences
+    whose q and kv lengths differ go one by one through `attention`."""
+    reference.check_thd(q, k, v)
+    segs_q = reference.thd_segments(cu_seqlens_q, cu_seqlens_q_padded, q.size(0), "cu_seqlens_q")
+    segs_kv = reference.thd_segments(cu_seqlens_kv, cu_seqlens_kv_padded, k.size(0), "cu_seqlens_kv")
+    if len(segs_q) != len(segs_kv):
+        raise ValueError(f"cu_seqlens_q has {len(segs_q)} sequences, cu_seqlens_kv {len(segs_kv)}")
+    keep = [i for i, (_, length) in enumerate(segs_q) if length]
+    if any(segs_q[i][1] != segs_kv[i][1] for i in range(len(segs_q))):
+        report.ran("attention_thd", "cuda.sdpa.per_sequence")
+        return _per_sequence(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_size)
+    out = q.new_zeros(q.size(0), q.size(1), v.size(-1))
+    if not keep:
+        report.ran("attention_thd", "cuda.sdpa.padded_batch")
+        return out + 0 * q.sum()   # keeps the graph: zero gradients for every input
+    iq, valid, n, longest = _padded_index([segs_q[i] for i in keep], q.device)
+    ik, _, _, _ = _padded_index([segs_kv[i] for i in keep], q.device)
+    qb, kb, vb = q[iq].transpose(1, 2), k[ik].transpose(1, 2), v[ik].transpose(1, 2)   # [n, h, L, d]
+    use_causal = causal and window_size is None
+    keep_mask = None
+    if not use_causal:
+        masked = build_mask(longest, longest, causal, window_size, ~valid.view(n, 1, 1, longest), q.device)
+        keep_mask = ~masked
+    gqa = k.size(1) != q.size(1)
+    path = expected_path(qb, kb, vb, keep_mask, dropout_p, use_causal, gqa)
+    report.ran("attention_thd", f"cuda.sdpa.padded_batch.{path}")
+    ob = _sdpa(qb, kb, vb, attn_mask=keep_mask, dropout_p=dropout_p, is_causal=use_causal, scale=scale,
+               enable_gqa=gqa).transpose(1, 2)          # [n, L, h, dv]
+    return out.index_copy(0, iq[valid], ob[valid])
+
+
+def _per_sequence(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_size):
+    out = q.new_zeros(q.size(0), q.size(1), v.size(-1))
+    rows, pieces = [], []
+    for (qs, ql), (ks, kl) in zip(segs_q, segs_kv):
+        if ql and kl:
+            o = attention(q[qs:qs + ql].transpose(0, 1).unsqueeze(0), k[ks:ks + kl].transpose(0, 1).unsqueeze(0),
+                          v[ks:ks + kl].transpose(0, 1).unsqueeze(0), None, causal, scale, dropout_p, window_size)
+            pieces.append(o[0].transpose(0, 1))
+            rows.append(torch.arange(qs, qs + ql))
+    if not pieces:
+        return out + 0 * q.sum()
+    return out.index_copy(0, torch.cat(rows).to(q.device), torch.cat(pieces))
+
+
+CP_WHY = ("context parallelism runs its attention blocks in torch math with the scores materialised "
+          "(backends/context_parallel.py): no fused ring kernel on the cuda backend yet")
+
+
+def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type, dropout_p=0.0):
+    report.fell_back("attention_cp", f"cuda.torch.{comm_type}", CP_WHY)
+    return context_parallel.attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type,
+                                         dropout_p)

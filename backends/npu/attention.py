@@ -32,7 +32,7 @@ import math
 import torch
 
 from megatron_adapt import report
-from megatron_adapt.backends import reference
+from megatron_adapt.backends import context_parallel, reference
 
 from ._lib import torch_npu
 
@@ -131,3 +131,92 @@ def attention(q, k, v, attn_mask=None, causal=False, scale=None, dropout_p=0.0, 
     if batch_first:
         return out.view(b, sq, hq, d).transpose(1, 2)
     return out.view(sq, b, hq, d).permute(1, 2, 0, 3)
+
+
+def _thd_unsupported(q, k, v, window_size) -> str | None:
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes q={q.dtype} k={k.dtype} v={v.dtype} (kernel: one of fp16/bf16/fp32)"
+    d = q.size(-1)
+    if k.size(-1) != d or v.size(-1) != d or not 1 <= d <= MAX_HEAD_DIM:
+        return f"head dims q={d} k={k.size(-1)} v={v.size(-1)} (kernel: equal, <= {MAX_HEAD_DIM})"
+    if q.size(1) > MAX_HEADS:
+        return f"{q.size(1)} heads > {MAX_HEADS}"
+    if window_size is not None and (window_size[0] < 0 or window_size[1] < 0):
+        return f"window {tuple(window_size)} with an unbounded side"
+    return None
+
+
+def _ends(segments, slots):
+    """Cumulative end offsets (actual_seq_*len) of the non-empty sequences or padded slots."""
+    return [start + length for start, length in (slots if slots is not None else segments) if length]
+
+
+def attention_thd(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+                  causal=True, scale=None, dropout_p=0.0, window_size=None):
+    """Layout "TND" with actual_seq_qlen / actual_seq_kvlen the cumulative end offsets (a list of
+    ints). Padding between sequences (cu_seqlens_*_padded) goes into the kernel as part of each
+    padded slot: under a causal mask (or a window with no right side) a sequence's trailing
+    padding comes after all its queries and is never attended; its rows are zeroed afterwards.
+    Padding with a mask that would see it, or q and kv slots that differ, take the reference."""
+    reference.check_thd(q, k, v)
+    segs_q = reference.thd_segments(cu_seqlens_q, cu_seqlens_q_padded, q.size(0), "cu_seqlens_q")
+    segs_kv = reference.thd_segments(cu_seqlens_kv, cu_seqlens_kv_padded, k.size(0), "cu_seqlens_kv")
+    if len(segs_q) != len(segs_kv):
+        raise ValueError(f"cu_seqlens_q has {len(segs_q)} sequences, cu_seqlens_kv {len(segs_kv)}")
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, causal, scale,
+            dropout_p, window_size)
+    padded = cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None
+    slots = None
+    if padded:
+        pad_q = reference.thd_segments(cu_seqlens_q_padded if cu_seqlens_q_padded is not None else cu_seqlens_q,
+                                       None, q.size(0), "cu_seqlens_q_padded")
+        pad_kv = reference.thd_segments(cu_seqlens_kv_padded if cu_seqlens_kv_padded is not None
+                                        else cu_seqlens_kv, None, k.size(0), "cu_seqlens_kv_padded")
+        hides_padding = (window_size[1] == 0) if window_size is not None else causal
+        why = None
+        if not hides_padding:
+            why = "padding between sequences with a mask that attends to later tokens"
+        elif segs_q != segs_kv or pad_q != pad_kv:
+            why = "padding between sequences with q and kv offsets that differ"
+        if why:
+            report.fell_back("attention_thd", FALLBACK, why)
+            return reference.attention_thd(*args)
+        slots = pad_q
+    why = _thd_unsupported(q, k, v, window_size)
+    if why:
+        report.fell_back("attention_thd", FALLBACK, why)
+        return reference.attention_thd(*args)
+    ends_q, ends_kv = _ends(segs_q, slots), _ends(segs_kv, slots)
+    out = q.new_zeros(q.size(0), q.size(1), v.size(-1))
+    if not ends_q:
+        report.ran("attention_thd", IMPL + "(TND)")
+        return out + 0 * q.sum()
+    pre = nxt = 2147483647
+    if window_size is not None:
+        mask, sparse_mode = compressed_causal_mask(q.device), 4
+        pre, nxt = int(window_size[0]), int(window_size[1])
+    elif causal:
+        mask, sparse_mode = compressed_causal_mask(q.device), 3
+    else:
+        mask, sparse_mode = None, 0
+    report.ran("attention_thd", IMPL + "(TND)")
+    tq, tk = ends_q[-1], ends_kv[-1]
+    res = torch_npu().npu_fusion_attention(
+        q[:tq], k[:tk], v[:tk], q.size(1), "TND", atten_mask=mask,
+        scale=1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale), keep_prob=1.0 - float(dropout_p),
+        pre_tockens=pre, next_tockens=nxt, sparse_mode=sparse_mode, actual_seq_qlen=ends_q,
+        actual_seq_kvlen=ends_kv)[0]
+    if padded:
+        rows = torch.cat([torch.arange(s, s + n) for s, n in segs_q if n]).to(q.device)
+        return out.index_copy(0, rows, res[rows])
+    return torch.cat([res, out[tq:]]) if tq < q.size(0) else res
+
+
+CP_WHY = ("context parallelism runs its attention blocks in torch math with the scores materialised "
+          "(backends/context_parallel.py): no fused ring kernel on the npu backend yet")
+
+
+def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type, dropout_p=0.0):
+    report.fell_back("attention_cp", f"npu.torch.{comm_type}", CP_WHY)
+    return context_parallel.attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type,
+                                         dropout_p)

@@ -751,4 +751,33 @@ def _():
             "norm": type(mixer.norm).__name__, "in_proj": type(mixer.in_proj).__name__}
 
 
+
+@check("context_parallel")
+def _():
+    """get_thd_batch_on_this_cp_rank's CP split (TE's thd_get_partitioned_indices) without TE."""
+    from megatron.core import utils as core_utils
+
+    cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
+    cu_p = torch.tensor([0, 8, 12, 24, 28], dtype=torch.int32)
+    tokens = torch.arange(28)[None]
+    batch = {"tokens": tokens.clone(), "labels": tokens.clone() + 100, "cu_seqlens": cu, "cu_seqlens_padded": cu_p,
+             "max_seqlen": torch.tensor([12])}
+    if hasattr(core_utils, "get_thd_batch_on_this_cp_rank"):      # core 0.15-0.16
+        out, params = core_utils.get_thd_batch_on_this_cp_rank(batch, cu, cu_p, torch.tensor([12]), cp_size=2,
+                                                               cp_rank=1)
+        return {"tokens": out["tokens"][0].tolist(), "labels": out["labels"][0].tolist(),
+                "qkv_format": params.qkv_format, "max_seqlen": params.max_seqlen_q,
+                "padded_kept": bool(params.cu_seqlens_q_padded is cu_p)}
+
+    class Rank1Of2:   # the split reads only the group's size and rank
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 1
+    batch["cu_seqlens"], batch["cu_seqlens_padded"] = cu[None], cu_p[None]   # core 0.19 keeps (1, n)
+    out = core_utils._get_batch_on_this_cp_rank_per_document_balancing(batch, Rank1Of2())
+    return {"tokens": out["tokens"][0].tolist(), "labels": out["labels"][0].tolist(), "qkv_format": "thd",
+            "max_seqlen": 12, "padded_kept": True}
+
 print("PROBE-JSON:" + json.dumps(results))

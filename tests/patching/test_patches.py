@@ -105,6 +105,18 @@ class TestAttention(PatchContract):
             assert res[groups] == {"calls": 3, "matches": True, "causal_mask_matches": True}, res
 
 
+class TestContextParallel(PatchContract):
+    """The CP core attention itself: tests/ops/test_cp_attention.py (op) and
+    tests/megatron_lm/test_pretrain_gpt_cp.py (stock pretrain_gpt.py, CP=2 against CP=1)."""
+    area = "context_parallel"
+
+    def test_thd_batch_split_without_te(self):
+        res = consumer("context_parallel")
+        assert res["tokens"] == [2, 3, 4, 5, 9, 10, 15, 16, 17, 18, 19, 20, 25, 26], res
+        assert res["labels"] == [t + 100 for t in res["tokens"]]
+        assert res["qkv_format"] == "thd" and res["max_seqlen"] == 12 and res["padded_kept"], res
+
+
 class TestRope(PatchContract):
     area = "rope"
 

@@ -1,0 +1,331 @@
+"""Context-parallel attention: each rank of a group holds some of the tokens; attention over all of
+them, for the four ways Megatron's --cp-comm-type moves them (backend-neutral: torch.distributed
+collectives and torch math; a backend's `attention_cp` op names what runs).
+
+Which token attends to which is given per token, not by its place in the tensor: its position in
+its document (`pos`) and the document (`doc`, -1 for padding, which attends to nothing and is seen
+by nothing). Key j is visible to query i when doc[j] == doc[i] >= 0 and, if causal,
+pos[j] <= pos[i], and, with a window (left, right), pos[i] - left <= pos[j] <= pos[i] + right.
+So any split of a sequence across ranks works (Megatron's load-balanced 2·CP chunks, TE's thd
+split) and packed (thd) sequences are one batch row with several documents.
+
+  p2p        ring: k/v (with their pos/doc) pass round the group; each rank merges its partial
+             outputs through their log-sum-exp; the backward passes k/v and their gradients round
+             the ring again (flash-attention's backward from the saved output and log-sum-exp).
+  allgather  k/v all-gathered; the backward all-reduces their gradients and keeps its own part.
+  a2a        Ulysses: an all-to-all trades the sequence split for a head split (heads must divide
+             by the group size), attention over the whole sequence, and back.
+  a2a+p2p    a2a inside the first group of a pair [a2a group, p2p group], then the ring over the
+             second (Megatron's hierarchical CP groups, in TE's order).
+
+Attention dropout: masks drawn from one seed per call and rank (the ring's blocks from seed +
+step), so the backward draws them again.
+
+Scores are materialised per block of (local queries x one rank's keys) in fp32: this serves the cpu
+backend and checks the algorithms; GPU kernels would run the blocks fused.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+COMM_TYPES = ("p2p", "allgather", "a2a", "a2a+p2p")
+_FILL = -1e30   # finite: fully masked rows stay finite under autograd (their output is zeroed)
+
+
+def visible(qpos, qdoc, kpos, kdoc, causal, window_size):
+    """bool [b, 1, sq, sk]: True where key j is visible to query i (pos/doc [b, s] int64)."""
+    qp, qd, kp, kd = qpos[:, None, :, None], qdoc[:, None, :, None], kpos[:, None, None, :], kdoc[:, None, None, :]
+    ok = (qd == kd) & (qd >= 0)
+    if causal:
+        ok = ok & (kp <= qp)
+    if window_size is not None:
+        left, right = window_size
+        if left >= 0:
+            ok = ok & (kp >= qp - left)
+        if right >= 0:
+            ok = ok & (kp <= qp + right)
+    return ok
+
+
+def _expand(k, hq):
+    return k if k.size(1) == hq else k.repeat_interleave(hq // k.size(1), 1)
+
+
+def _reduce_heads(dk, hkv):
+    b, hq, s, d = dk.shape
+    return dk if hq == hkv else dk.view(b, hkv, hq // hkv, s, d).sum(2)
+
+
+def _dropout_seed(dropout_p, device):
+    """A seed for this call's dropout masks, drawn from the device's default generator (Megatron's
+    model-parallel RNG tracker forks it around the call) and offset by the global rank (ranks of a
+    CP group draw the same seed; their masks must differ), or None without dropout. The ring adds
+    its step."""
+    if not dropout_p:
+        return None
+    base = int(torch.randint(0, 2 ** 60, (1,), device=device).item())
+    return base + (dist.get_rank() if dist.is_initialized() else 0) * 1_000_003
+
+
+def _keep(shape, device, dropout_p, seed):
+    """The dropout scale: 0 where dropped, 1 / (1 - p) where kept, drawn from `seed` (so the
+    backward draws the same)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return (torch.rand(shape, generator=gen, device=device) >= dropout_p).float() / (1.0 - dropout_p)
+
+
+def masked_attention(q, k, v, ok, scale, dropout_p=0.0, seed=None):
+    """Autograd-friendly attention under visibility ok [b, 1, sq, sk] (fp32 math, q's dtype out);
+    rows that see nothing give 0."""
+    s = (q.float() @ _expand(k, q.size(1)).float().transpose(-1, -2)) * scale
+    p = torch.softmax(s.masked_fill(~ok, _FILL), -1)
+    if seed is not None:
+        p = p * _keep(p.shape, q.device, dropout_p, seed)
+    out = (p @ _expand(v, q.size(1)).float()) * ok.any(-1, keepdim=True)
+    return out.to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- who holds which tokens
+def sbhd_meta(b, s_local, cp_size, cp_rank, device=None):
+    """pos/doc [b, s_local] of this rank's tokens under Megatron's load-balanced split: the sequence
+    in 2·cp_size chunks, this rank holding chunks cp_rank and 2·cp_size - 1 - cp_rank."""
+    c = s_local // 2
+    first = torch.arange(cp_rank * c, (cp_rank + 1) * c)
+    second = torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c)
+    pos = torch.cat([first, second]).to(device).expand(b, -1)
+    return pos, torch.zeros_like(pos)
+
+
+def thd_slots(cu_seqlens_padded, total, cp_size):
+    """[(start, length)] of each padded slot, each a multiple of 2·cp_size (ValueError otherwise)."""
+    cu = [int(x) for x in cu_seqlens_padded.tolist()]
+    slots = [(cu[i], cu[i + 1] - cu[i]) for i in range(len(cu) - 1)]
+    for i, (_, n) in enumerate(slots):
+        if n % (2 * cp_size):
+            raise ValueError(f"packed sequence {i}: padded length {n} (cu_seqlens_padded) is not a multiple of "
+                             f"2 x context-parallel size = {2 * cp_size}")
+    if cu[-1] != total:
+        raise ValueError(f"cu_seqlens_padded ends at {cu[-1]}, not at the {total} packed tokens")
+    return slots
+
+
+def thd_partitioned_indices(cu_seqlens_padded, total, cp_size, cp_rank):
+    """What Transformer Engine's tex.thd_get_partitioned_indices returns: the indices (int64, on
+    cu_seqlens_padded's device) of the packed tokens this rank holds: of each sequence's padded slot,
+    split in 2·cp_size chunks, the chunks cp_rank and 2·cp_size - 1 - cp_rank, sequences in order."""
+    parts = []
+    for start, n in thd_slots(cu_seqlens_padded, total, cp_size):
+        c = n // (2 * cp_size)
+        parts += [torch.arange(start + cp_rank * c, start + (cp_rank + 1) * c),
+                  torch.arange(start + (2 * cp_size - 1 - cp_rank) * c, start + (2 * cp_size - cp_rank) * c)]
+    idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    return idx.to(cu_seqlens_padded.device)
+
+
+def thd_meta(cu_seqlens, cu_seqlens_padded, total, cp_size, cp_rank, device=None):
+    """pos/doc [1, total / cp_size] of this rank's packed tokens (thd_partitioned_indices' order);
+    padding (past a sequence's length within its slot) has doc -1."""
+    padded = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    pos, doc = [], []
+    for i, (start, n) in enumerate(thd_slots(padded, total, cp_size)):
+        c = n // (2 * cp_size)
+        p = torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c),
+                       torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c)])
+        pos.append(p)
+        doc.append(torch.where(p < cu[i + 1] - cu[i], i, -1))
+    pos = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long)
+    doc = torch.cat(doc) if doc else torch.zeros(0, dtype=torch.long)
+    return pos.to(device).unsqueeze(0), doc.to(device).unsqueeze(0)
+
+
+# ----------------------------------------------------------------------------- ring (p2p)
+def _block_fwd(q, k, v, ok, scale, drop=None):
+    """(out fp32, lse fp32 [b, h, sq]) of q against one block of keys; lse -inf where nothing is
+    seen. drop = (dropout_p, seed): the block's probabilities dropped (the normaliser is not)."""
+    s = (q.float() @ _expand(k, q.size(1)).float().transpose(-1, -2)) * scale
+    s = s.masked_fill(~ok, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    if drop is not None:
+        p = p * _keep(p.shape, q.device, *drop)
+    return p @ _expand(v, q.size(1)).float(), lse
+
+
+def _merge(out, lse, o, l):
+    if out is None:
+        return o, l
+    new = torch.logaddexp(lse, l)
+    safe = torch.where(torch.isinf(new), 0.0, new)
+    a, b = torch.exp(lse - safe).unsqueeze(-1), torch.exp(l - safe).unsqueeze(-1)
+    return out * a + o * b, new
+
+
+def _block_bwd(q, k, v, ok, scale, out, dout, lse, drop=None):
+    """Gradients (fp32) of one block from the final out / lse (flash-attention's backward, with
+    the forward's dropout masks drawn again from their seed)."""
+    hq, hkv = q.size(1), k.size(1)
+    kk, vv = _expand(k, hq).float(), _expand(v, hq).float()
+    s = (q.float() @ kk.transpose(-1, -2)) * scale
+    p = torch.exp(s.masked_fill(~ok, float("-inf")) - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    keep = _keep(p.shape, q.device, *drop) if drop is not None else None
+    dv = (p if keep is None else p * keep).transpose(-1, -2) @ dout
+    dp = dout @ vv.transpose(-1, -2)
+    if keep is not None:
+        dp = dp * keep
+    ds = p * (dp - (dout * out).sum(-1, keepdim=True))
+    dq = (ds @ kk) * scale
+    dk = (ds.transpose(-1, -2) @ q.float()) * scale
+    return dq, _reduce_heads(dk, hkv), _reduce_heads(dv, hkv)
+
+
+def _shift(tensors, group):
+    """Send to the next rank of the group, receive from the previous one."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    nxt, prv = dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
+    bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    works = [dist.isend(t.contiguous(), nxt, group=group) for t in tensors]
+    works += [dist.irecv(b, prv, group=group) for b in bufs]
+    for w in works:
+        w.wait()
+    return bufs
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, qpos, qdoc, kpos, kdoc, causal, scale, window_size, group, dropout_p, seed):
+        size = dist.get_world_size(group)
+        out = lse = None
+        cur = [k, v, kpos, kdoc]
+        drop = (lambda step: None) if seed is None else (lambda step: (dropout_p, seed + step))
+        for step in range(size):
+            ok = visible(qpos, qdoc, cur[2], cur[3], causal, window_size)
+            if ok.any():
+                out, lse = _merge(out, lse, *_block_fwd(q, cur[0], cur[1], ok, scale, drop(step)))
+            if step < size - 1:
+                cur = _shift(cur, group)
+        if out is None:
+            out = q.new_zeros(q.shape[:-1] + (v.size(-1),), dtype=torch.float32)
+            lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+        ctx.save_for_backward(q, k, v, qpos, qdoc, kpos, kdoc, out, lse)
+        ctx.causal, ctx.scale, ctx.window, ctx.group, ctx.drop = causal, scale, window_size, group, drop
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, qpos, qdoc, kpos, kdoc, out, lse = ctx.saved_tensors
+        size = dist.get_world_size(ctx.group)
+        dout = dout.float()
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        cur = [k, v, kpos, kdoc, torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+        for step in range(size):
+            ok = visible(qpos, qdoc, cur[2], cur[3], ctx.causal, ctx.window)
+            if ok.any():
+                gq, gk, gv = _block_bwd(q, cur[0], cur[1], ok, ctx.scale, out, dout, lse, ctx.drop(step))
+                dq += gq
+                cur[4] += gk
+                cur[5] += gv
+            # k/v go on round the ring; their gradients travel with them and the last shift
+            # brings each rank's own back to it
+            if step < size - 1:
+                cur = _shift(cur, ctx.group)
+            elif size > 1:
+                cur = cur[:4] + _shift(cur[4:], ctx.group)
+        return (dq.to(q.dtype), cur[4].to(k.dtype), cur[5].to(v.dtype)) + (None,) * 10
+
+
+# ----------------------------------------------------------------------------- collectives with autograd
+def _gather_meta(t, group):
+    parts = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    """[b, h, s, d] -> [b, h, size * s, d] (ranks in group order); backward: all-reduce, own part."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
+                 for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        dist.all_reduce(g, group=ctx.group)
+        s = g.size(2) // dist.get_world_size(ctx.group)
+        return g.narrow(2, dist.get_rank(ctx.group) * s, s), None
+
+
+def _a2a(x, group, heads_to_seq):
+    """heads_to_seq: [b, h, s, d] -> [b, h / size, size * s, d] (scatter heads, gather sequence);
+    else the inverse."""
+    size = dist.get_world_size(group)
+    b, h, s, d = x.shape
+    if heads_to_seq:
+        send = x.reshape(b, size, h // size, s, d).transpose(0, 1).contiguous()    # [size, b, h/n, s, d]
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)                              # [src, b, h/n, s, d]
+        return recv.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * s, d)
+    s_loc = s // size
+    send = x.reshape(b, h, size, s_loc, d).permute(2, 0, 1, 3, 4).contiguous()      # [dst, b, h, s/n, d]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)                                  # [src, b, h, s/n, d]
+    return recv.transpose(0, 1).reshape(b, size * h, s_loc, d)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, heads_to_seq):
+        ctx.group, ctx.heads_to_seq = group, heads_to_seq
+        return _a2a(x, group, heads_to_seq)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _a2a(g.contiguous(), ctx.group, not ctx.heads_to_seq), None, None
+
+
+# ----------------------------------------------------------------------------- the algorithms
+def check(comm_type, hq, hkv, group_sizes):
+    """None if these heads can go through comm_type over groups of these sizes, else why not."""
+    if comm_type not in COMM_TYPES:
+        return f"cp_comm_type {comm_type!r} is none of {', '.join(COMM_TYPES)}"
+    if comm_type in ("a2a", "a2a+p2p"):
+        n = group_sizes[0]
+        if hq % n or hkv % n:
+            return (f"cp_comm_type {comm_type}: {hq} query and {hkv} key/value heads per tensor-parallel "
+                    f"rank must both divide by the all-to-all group size {n}")
+    return None
+
+
+def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type, dropout_p=0.0):
+    """q [b, hq, s, d], k/v [b, hkv, s, d(v)]: this rank's tokens; pos/doc [b, s] int64 as in the
+    module docstring; groups: one process group, or [a2a group, p2p group] for a2a+p2p; dropout on
+    the attention probabilities with masks drawn from one seed per call (the device's default
+    generator). -> out [b, hq, s, dv] in q's dtype."""
+    group_list = list(groups) if isinstance(groups, (list, tuple)) else [groups]
+    why = check(comm_type, q.size(1), k.size(1), [dist.get_world_size(g) for g in group_list])
+    if why:
+        raise ValueError(why)
+    pos, doc = pos.long(), doc.long()
+    seed = _dropout_seed(dropout_p, q.device)
+    if comm_type == "p2p":
+        return _Ring.apply(q, k, v, pos, doc, pos, doc, causal, scale, window_size, group_list[0], dropout_p, seed)
+    if comm_type == "allgather":
+        g = group_list[0]
+        kf, vf = _AllGatherSeq.apply(k, g), _AllGatherSeq.apply(v, g)
+        ok = visible(pos, doc, _gather_meta(pos, g), _gather_meta(doc, g), causal, window_size)
+        return masked_attention(q, kf, vf, ok, scale, dropout_p, seed)
+    a2a = group_list[0]
+    qa, ka, va = (_AllToAll.apply(t, a2a, True) for t in (q, k, v))
+    pa, da = _gather_meta(pos, a2a), _gather_meta(doc, a2a)
+    if comm_type == "a2a":
+        out = masked_attention(qa, ka, va, visible(pa, da, pa, da, causal, window_size), scale, dropout_p, seed)
+    else:
+        out = _Ring.apply(qa, ka, va, pa, da, pa, da, causal, scale, window_size, group_list[1], dropout_p, seed)
+    return _AllToAll.apply(out, a2a, False)
