@@ -24,11 +24,15 @@ in bf16 and say nothing. This area makes that impossible:
   dgrad all-reduce), gradient-accumulation fusion into `main_grad` with Megatron's
   `grad_added_to_main_grad` protocol. Delayed-scaling state (amax histories, scales) is kept per
   linear and saved in its `_extra_state`, as TE's modules keep theirs. With `config.fp8` unset the
-  provider builds Megatron's own classes, unchanged.
+  provider builds Megatron's own classes, unchanged but for a load hook that says once that an fp8
+  checkpoint's scaling state is ignored; an fp8 linear loading a checkpoint saved without fp8 says
+  once that it starts with fresh scaling state.
 """
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 
 import torch
 
@@ -184,6 +188,33 @@ def _wgrad_sink(weight, fusion: bool):
     return sink
 
 
+log = logging.getLogger("megatron_adapt")
+_said: set = set()
+
+
+def say_once(key: str, message: str) -> None:
+    """A checkpoint-load note, logged once per process (not once per linear)."""
+    if key not in _said:
+        _said.add(key)
+        log.warning(message)
+
+
+def _nonempty(state) -> bool:
+    if isinstance(state, torch.Tensor):
+        return state.numel() > 0
+    if isinstance(state, io.BytesIO):
+        return state.getbuffer().nbytes > 0
+    return state is not None
+
+
+def _ignore_fp8_state_hook(state_dict, prefix, *args, **kwargs):
+    """A linear built without fp8 loading a checkpoint whose `_extra_state` holds fp8 scaling state
+    (ours or TE's): Megatron's set_extra_state drops it; the weights load as they are."""
+    if _nonempty(state_dict.get(f"{prefix}_extra_state")):
+        say_once("fp8_ignored", "fp8: the checkpoint holds fp8 scaling state (the linears' "
+                 "_extra_state); this model runs without fp8, so it is ignored (weights load as saved)")
+
+
 _variants: dict = {}
 
 
@@ -202,6 +233,8 @@ def fp8_variant(base, backend):
             if config is None or not getattr(config, "fp8", None):
                 plain = base.__new__(base)
                 plain.__init__(*args, **kwargs)
+                # Megatron's set_extra_state ignores an fp8 checkpoint's scaling state: say so once
+                plain._register_load_state_dict_pre_hook(_ignore_fp8_state_hook)
                 return plain
             return super().__new__(cls)
 
@@ -260,8 +293,11 @@ def fp8_variant(base, backend):
             from megatron_adapt.backends.fp8_scaling import Fp8Scaling
 
             loaded = Fp8Scaling.from_bytes(state)
-            if loaded is not None:
-                self.fp8_scaling.load_state_dict(loaded)
+            if loaded is None:   # a checkpoint saved without fp8 (Megatron's linears save None)
+                say_once("fp8_fresh", "fp8: the checkpoint holds no fp8 scaling state (saved without "
+                         "fp8): the fp8 linears start with fresh scaling state (amax history 0, scale 1)")
+                loaded = Fp8Scaling(self.fp8_scaling.recipe).state_dict()
+            self.fp8_scaling.load_state_dict(loaded)
 
     Fp8Linear.__name__ = Fp8Linear.__qualname__ = f"Fp8{base.__name__}"
     _variants[key] = Fp8Linear
