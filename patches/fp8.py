@@ -297,6 +297,13 @@ def fp8_variant(base, backend):
                 say_once("fp8_fresh", "fp8: the checkpoint holds no fp8 scaling state (saved without "
                          "fp8): the fp8 linears start with fresh scaling state (amax history 0, scale 1)")
                 loaded = Fp8Scaling(self.fp8_scaling.recipe).state_dict()
+            r = self.fp8_scaling.recipe
+            if (loaded.get("format"), loaded.get("recipe")) != (r.format, r.recipe):
+                # scales made for other fp8 maxima / another recipe would clip: start fresh
+                say_once("fp8_other", f"fp8: the checkpoint's fp8 scaling state is for --fp8-format "
+                         f"{loaded.get('format')} --fp8-recipe {loaded.get('recipe')}; this model runs "
+                         f"{r.format} {r.recipe}: its fp8 linears start with fresh scaling state")
+                loaded = Fp8Scaling(r).state_dict()
             self.fp8_scaling.load_state_dict(loaded)
 
     Fp8Linear.__name__ = Fp8Linear.__qualname__ = f"Fp8{base.__name__}"

@@ -5,7 +5,8 @@ parameters, fp8 `hybrid` with delayed scaling.
     python fp8_ckpt_worker.py save DIR     train 3 steps in fp8, save DIR/fp8; the uninterrupted 4th
                                            step's loss; a run without fp8 saves DIR/bf16
     python fp8_ckpt_worker.py resume DIR   a fresh fp8 model loads DIR/fp8 (scaling state, next loss)
-                                           and DIR/bf16 (fresh scaling state, said once)
+                                           and DIR/bf16 (fresh scaling state, said once); an e4m3
+                                           model loads DIR/fp8 (fresh: other format, said once)
     python fp8_ckpt_worker.py plain DIR    the cpu backend as it is (no fp8 GEMM) loads DIR/fp8 into
                                            a model without fp8, re-saves it as DIR/plain, one step
 
@@ -145,9 +146,18 @@ def run_resume():
         for s in scalings(f).values())
     out["bf16_into_fp8_messages"] = list(said.messages)
     out["bf16_into_fp8_loss"] = step(f, 0)
+    # the fp8 checkpoint (hybrid, delayed) into an e4m3 model: other fp8 maxima, fresh state, said once
+    said.messages.clear()
+    e = model(seed=7, **{**FP8, "fp8": "e4m3"})
+    load(e, "fp8")
+    out["into_e4m3_fresh"] = all(bool((s.scale["fwd"] == 1).all() and (s.scale["bwd"] == 1).all()
+                                      and not s.amax_history["fwd"].any()) for s in scalings(e).values())
+    out["into_e4m3_messages"] = list(said.messages)
 
 
 def run_plain():
+    from megatron_adapt.backends import cpu as cpu_backend
+
     m = model(seed=7)
     out["classes"] = sorted({type(mod).__name__ for n, mod in m.named_modules() if n.endswith(("linear_qkv", "linear_fc2"))})
     load(m, "fp8")
@@ -155,8 +165,6 @@ def run_plain():
     save(m, "plain")   # what it loaded, re-saved before any step (the test compares the weights)
     out["loss"] = step(m, 3)
     out["fp8_calls"] = fp8_calls()
-    from megatron_adapt.backends import cpu as cpu_backend
-
     out["cpu_has_fp8_op"] = "fp8_linear" in cpu_backend.BACKEND.ops
 
 

@@ -70,3 +70,13 @@ def test_checkpoint_without_fp8_loads_into_fp8_with_fresh_scaling(runs):
     assert len(resume["bf16_into_fp8_messages"]) == 1, resume["bf16_into_fp8_messages"]
     assert resume["bf16_into_fp8_messages"][0].startswith(FRESH), resume
     assert resume["bf16_into_fp8_loss"] == pytest.approx(4.74, abs=0.2), resume
+
+
+def test_fp8_checkpoint_of_another_format_starts_fresh(runs):
+    """hybrid's gradient scales are made for e5m2's maximum (57344): an e4m3 model (448) would clip."""
+    _, r = runs
+    resume = r["resume"]
+    assert resume["into_e4m3_fresh"], resume
+    assert resume["into_e4m3_messages"] == [
+        "fp8: the checkpoint's fp8 scaling state is for --fp8-format hybrid --fp8-recipe delayed; this "
+        "model runs e4m3 delayed: its fp8 linears start with fresh scaling state"], resume
