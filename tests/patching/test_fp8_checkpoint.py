@@ -53,6 +53,7 @@ def test_fp8_checkpoint_loads_without_fp8_on_the_cpu_backend(runs, tmp_path):
     assert not plain["cpu_has_fp8_op"] and plain["fp8_calls"] == 0, plain
     assert plain["classes"] == ["AdaptLayerNormColumnParallelLinear", "RowParallelLinear"], plain
     assert len(plain["messages"]) == 1 and plain["messages"][0].startswith(IGNORED), plain["messages"]
+    assert plain["plain_from_bf16_messages"] == [], plain["plain_from_bf16_messages"]
     # every weight as saved by the fp8 run (the re-save of what the plain model loaded)
     a = {k: v for k, v in full_tensors(str(root / "fp8"), str(tmp_path)).items() if not k.endswith("_extra_state")}
     b = {k: v for k, v in full_tensors(str(root / "plain"), str(tmp_path)).items() if not k.endswith("_extra_state")}
