@@ -204,8 +204,9 @@ def build_per_document_split(backend, original):
 
 
 SPECS = [
+    # 0.15 has no THD split under CP; 0.18's is get_sft_batch_on_this_cp_rank (not served yet)
     PatchSpec("megatron.core.utils:get_thd_batch_on_this_cp_rank", area=AREA, build=build_thd_batch,
-              versions=">=0.15.0,<0.17.0"),
+              versions=">=0.16.0,<0.18.0"),
     PatchSpec("megatron.core.utils:_get_batch_on_this_cp_rank_per_document_balancing", area=AREA,
               build=build_per_document_split, versions=">=0.19.0,<0.20.0"),
 ]

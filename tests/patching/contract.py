@@ -3,6 +3,8 @@ import json
 import os
 from functools import lru_cache
 
+import pytest
+
 from adapt_testutil import run_python
 
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe.py")
@@ -30,7 +32,14 @@ class PatchContract:
 
     def _targets(self):
         targets = [s.target for s in specs_of(self.area)]
-        assert targets, f"area {self.area!r} declares no specs"
+        if not targets:
+            from megatron_adapt.core import all_specs
+            from megatron_adapt.versions import megatron_core_version
+
+            ranges = sorted({s.versions for s in all_specs() if s.area == self.area})
+            assert ranges, f"area {self.area!r} declares no specs"
+            pytest.skip(f"area {self.area!r} has no target in megatron-core {megatron_core_version()} "
+                        f"(its specs are for {', '.join(ranges)})")
         return targets
 
     def test_target_exists_and_applies_when_patched_before_import(self):
