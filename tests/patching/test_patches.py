@@ -171,7 +171,7 @@ def hardening_check(harden: bool):
     import tempfile
 
     tmp = tempfile.mkdtemp(prefix="adapt-harden-")
-    env = {"MEGATRON_ADAPT_CHECKPOINT_HARDEN": "1" if harden else "0", "PROBE_PORT": "29542" if harden else "29543"}
+    env = {"MEGATRON_ADAPT_CHECKPOINT_HARDEN": "1" if harden else "0", "PROBE_PORT": _free_port()}
     out = run_python([HARDEN_CHECK, tmp], env=env).stdout
     line = next(l for l in out.splitlines() if l.startswith("PROBE-JSON:"))
     return tmp, json.loads(line[len("PROBE-JSON:"):])
