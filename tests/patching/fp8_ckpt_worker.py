@@ -23,15 +23,9 @@ warnings.filterwarnings("ignore")
 os.environ["MEGATRON_ADAPT_AUTO"] = "0"
 
 
-def _free_port():   # a fixed port collides with another test run on the same machine
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+from single_rank import one_rank_env  # noqa: E402
 
-
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PROBE_PORT") or _free_port(),
-                  RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+one_rank_env()
 
 import torch
 

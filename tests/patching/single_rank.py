@@ -1,0 +1,14 @@
+"""One-process torch.distributed set-up for the worker scripts in this folder (each runs as
+`python <script>`, so this folder is on its sys.path): rank 0 of 1, on a free port unless the test
+passes PROBE_PORT (fixed ports collided between two test runs on one machine)."""
+import os
+import socket
+
+
+def one_rank_env() -> None:
+    port = os.environ.get("PROBE_PORT")
+    if not port:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
