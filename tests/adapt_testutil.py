@@ -12,3 +12,22 @@ def run_python(code_or_args, env=None, timeout=300, check=True):
     if check and proc.returncode != 0:
         raise AssertionError(f"subprocess failed ({proc.returncode}):\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}")
     return proc
+
+
+def spawn_ranks(worker, nprocs=2, timeout=600):
+    """Run worker(rank, port, queue) in `nprocs` spawned processes on one free port; each puts
+    (rank, result) on the queue. Returns {rank: result}."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, port, q)) for r in range(nprocs)]
+    [p.start() for p in procs]
+    results = dict(q.get(timeout=timeout) for _ in procs)
+    [p.join(60) for p in procs]
+    return results

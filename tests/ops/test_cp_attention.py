@@ -6,11 +6,11 @@ load-balanced 2·CP chunks (causal, sliding window) and THD split as TE's
 thd_get_partitioned_indices (uneven documents crossing chunk boundaries, a document of length 1,
 padding between documents), GQA."""
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from adapt_testutil import spawn_ranks
 
 CASES = [  # (name, layout, comm, dtype, window)
     ("sbhd-p2p", "sbhd", "p2p", torch.float32, None),
@@ -139,26 +139,12 @@ def _worker(rank, port, q):
     dist.destroy_process_group()
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _results = {}
 
 
 def results():
     if not _results:
-        ctx = mp.get_context("spawn")
-        q = ctx.SimpleQueue()
-        port = _port()
-        procs = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(2)]
-        [p.start() for p in procs]
-        for _ in procs:
-            rank, res = q.get()
-            _results[rank] = res
-        [p.join(60) for p in procs]
+        _results.update(spawn_ranks(_worker))
     return _results
 
 

@@ -8,10 +8,10 @@ fused thd RoPE) and off (Megatron's own), and must give the per-token losses of 
 batch at CP=1 (within 2e-3; they land near 1e-6) and, summed over the CP group, the same gradients
 (1e-4 relative). Also: a local sequence of odd length is refused naming the flag and backend."""
 import os
-import socket
 
 import pytest
-import torch.multiprocessing as mp
+
+from adapt_testutil import spawn_ranks
 
 LENGTHS, SLOTS = [5, 1, 9, 7], [8, 4, 12, 8]   # slots: multiples of 2·CP = 4
 
@@ -118,26 +118,12 @@ def _worker(rank, port, q):
     dist.destroy_process_group()
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _results = {}
 
 
 def results():
     if not _results:
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        port = _port()
-        procs = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(2)]
-        [p.start() for p in procs]
-        for _ in procs:
-            rank, res = q.get(timeout=600)
-            _results[rank] = res
-        [p.join(60) for p in procs]
+        _results.update(spawn_ranks(_worker))
     return _results
 
 
