@@ -7,7 +7,8 @@ its document (`pos`) and the document (`doc`, -1 for padding, which attends to n
 by nothing). Key j is visible to query i when doc[j] == doc[i] >= 0 and, if causal,
 pos[j] <= pos[i], and, with a window (left, right), pos[i] - left <= pos[j] <= pos[i] + right.
 So any split of a sequence across ranks works (Megatron's load-balanced 2·CP chunks, TE's thd
-split) and packed (thd) sequences are one batch row with several documents.
+split per document, core_v0.19's split of a whole packed row) and packed (thd) sequences are one
+batch row with several documents.
 
   p2p        ring: k/v (with their pos/doc) pass round the group; each rank merges its partial
              outputs through their log-sum-exp; the backward passes k/v and their gradients round
@@ -138,6 +139,29 @@ def thd_meta(cu_seqlens, cu_seqlens_padded, total, cp_size, cp_rank, device=None
         doc.append(torch.where(p < cu[i + 1] - cu[i], i, -1))
     pos = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long)
     doc = torch.cat(doc) if doc else torch.zeros(0, dtype=torch.long)
+    return pos.to(device).unsqueeze(0), doc.to(device).unsqueeze(0)
+
+
+def thd_sequence_meta(cu_seqlens, cu_seqlens_padded, total, cp_size, cp_rank, device=None):
+    """pos/doc [1, total / cp_size] of this rank's packed tokens when the whole packed row (all
+    its documents together, as one sequence) was split in 2·cp_size chunks, this rank holding
+    chunks cp_rank and 2·cp_size - 1 - cp_rank (core_v0.19's per-sequence balancing, which
+    pretrain_gpt.py uses for --dataloader-inter-document-masking): documents are cut anywhere.
+    Each token's document is the slot of cu_seqlens_padded (else cu_seqlens) holding its global
+    index, its position the offset in that slot; padding (past a sequence's length within its
+    slot) has doc -1."""
+    if total % (2 * cp_size):
+        raise ValueError(f"{total} packed tokens are not a multiple of 2 x context-parallel size = {2 * cp_size}")
+    padded = (cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded).long().cpu()
+    real = cu_seqlens.long().cpu()
+    if int(padded[-1]) != total:
+        raise ValueError(f"cu_seqlens{'_padded' if cu_seqlens_padded is not None else ''} ends at "
+                         f"{int(padded[-1])}, not at the {total} packed tokens")
+    glob, _ = sbhd_meta(1, total // cp_size, cp_size, cp_rank)
+    glob = glob[0]
+    slot = torch.searchsorted(padded[1:], glob, right=True)
+    pos = glob - padded[slot]
+    doc = torch.where(pos < real[slot + 1] - real[slot], slot, -1)
     return pos.to(device).unsqueeze(0), doc.to(device).unsqueeze(0)
 
 

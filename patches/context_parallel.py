@@ -8,17 +8,20 @@ group and --cp-comm-type as TE's does and calls the backend's `attention_cp` op
 own assertion.
 
 What each rank holds is Megatron's: SBHD sequences in 2·CP chunks, this rank's chunks cp_rank and
-2·CP-1-cp_rank (get_batch_on_this_cp_rank); packed THD sequences split the same way per sequence
+2·CP-1-cp_rank (get_batch_on_this_cp_rank); packed THD sequences split the same way per document
 (core 0.16's get_thd_batch_on_this_cp_rank and core 0.19's
 _get_batch_on_this_cp_rank_per_document_balancing, through TE's thd_get_partitioned_indices,
-served here without TE).
-The op is told each local token's position and document, so both layouts go through one path.
+served here without TE), or, for core 0.19's --dataloader-inter-document-masking (without --sft),
+per sequence: the whole packed row in 2·CP chunks, documents cut anywhere
+(per_sequence_thd_split; patches/rope places the packed RoPE positions the same way).
+The op is told each local token's position and document, so every layout goes through one path.
 
 Attention dropout runs under Megatron's model-parallel RNG tracker, as in DotProductAttention.
 
 Refused at construction, naming the flag and the backend: a cp-comm-type outside p2p / allgather
-/ a2a / a2a+p2p, a2a with heads that do not divide by the all-to-all group, core_v0.19's
---dataloader-inter-document-masking (split per sequence, not per document) with CP.
+/ a2a / a2a+p2p, a2a with heads that do not divide by the all-to-all group (both also at start,
+from the arguments: start_checks); --dataloader-inter-document-masking with CP on a megatron-core
+other than 0.19, with --multi-latent-attention, or with unfused packed RoPE.
 At the first forward: a local sequence of odd length (the sequence length is not a multiple of
 2·CP), attention bias, softmax offsets, masks other than causal / none, hybrid CP's sbhd
 PackedSeqParams.
@@ -70,31 +73,65 @@ def setup(module, config, cp_comm_type, pg_collection):
                              f"{None if not groups else len(groups)}")
     else:
         groups = cp_group
-    _refuse_sequence_balanced_thd(config, backend)
+    per_sequence = per_sequence_thd_split()
+    if per_sequence:
+        _check_sequence_split(config, backend)
     sizes = [g.size() for g in groups] if isinstance(groups, (list, tuple)) else [groups.size()]
     why = cp.check(comm, module.num_attention_heads_per_partition, module.num_query_groups_per_partition, sizes)
     if why:
         raise ValueError(f"--cp-comm-type {comm} with --context-parallel-size {config.context_parallel_size}: "
                          f"the {backend.name} backend cannot serve it: {why}")
     module.adapt_cp = {"groups": groups, "comm": comm, "size": cp_group.size(), "rank": cp_group.rank(),
-                       "op": backend.op("attention_cp"), "backend": backend.name}
+                       "op": backend.op("attention_cp"), "backend": backend.name,
+                       "thd_split": "sequence" if per_sequence else "document"}
 
 
-def _refuse_sequence_balanced_thd(config, backend):
-    """core_v0.19's pretrain_gpt.py splits --dataloader-inter-document-masking batches (without
-    --sft) over CP ranks per sequence, not per document: packed documents are then cut anywhere,
-    which this attention's THD layout (TE's per-document split) does not describe."""
+def _megatron_args():
+    """Megatron-LM's parsed arguments, or None (no megatron.training, or a megatron-core user who
+    never parsed them)."""
     try:
         from megatron.training.global_vars import get_args
-        args = get_args()
-    except Exception:  # noqa: BLE001 (no megatron.training, or no parsed arguments: not pretrain_gpt)
-        return
-    if getattr(args, "dataloader_inter_document_masking", False) and not getattr(args, "sft", False):
+        return get_args()
+    except Exception:  # noqa: BLE001 (ImportError, or get_args' assertion that nothing was parsed)
+        return None
+
+
+def per_sequence_thd_split() -> bool:
+    """Whether packed (thd) batches reach the CP ranks split per sequence (the whole packed row in
+    2·CP chunks, documents cut anywhere) rather than per document (TE's thd_get_partitioned_indices).
+    core_v0.19's pretrain_gpt.py and pretrain_hybrid.py call get_batch_on_this_cp_rank with
+    use_per_sequence_balancing = --dataloader-inter-document-masking and not --sft: that rule, read
+    from Megatron-LM's parsed arguments. Without them (megatron-core users) batches are split per
+    document."""
+    args = _megatron_args()
+    return bool(args is not None and getattr(args, "dataloader_inter_document_masking", False)
+                and not getattr(args, "sft", False))
+
+
+def _check_sequence_split(config, backend):
+    """--dataloader-inter-document-masking under CP: the attention is told each token's document and
+    position from the per-sequence split; what else reads packed positions assuming a per-document
+    split is refused, naming the flags and the backend."""
+    from megatron_adapt.versions import megatron_core_version
+
+    name = (f"--dataloader-inter-document-masking with --context-parallel-size {config.context_parallel_size} "
+            f"on the {backend.name} backend")
+    version = megatron_core_version()
+    if version is None or (version.major, version.minor) != (0, 19):
         raise NotImplementedError(
-            f"--dataloader-inter-document-masking with --context-parallel-size {config.context_parallel_size}: "
-            f"megatron-adapt's context-parallel attention on the {backend.name} backend serves packed sequences "
-            "split per document (TE's thd_get_partitioned_indices); Megatron splits these batches per "
-            "sequence. Use --context-parallel-size 1 with it")
+            f"{name}: megatron-adapt serves core_v0.19's split of these batches (per sequence, "
+            f"get_batch_on_this_cp_rank(use_per_sequence_balancing=True)); megatron-core {version} is not "
+            "checked. Use --context-parallel-size 1 with it")
+    if getattr(config, "multi_latent_attention", False):
+        raise NotImplementedError(
+            f"{name} and --multi-latent-attention: MLA's fused RoPE (Megatron's Triton kernels on cuda) "
+            "places packed tokens as split per document. Use --context-parallel-size 1 with it")
+    rope = getattr(_megatron_args(), "position_embedding_type", None)
+    if rope in ("rope", "yarn", "mrope") and not config.apply_rope_fusion:
+        raise NotImplementedError(
+            f"{name} and --position-embedding-type {rope} without RoPE fusion: Megatron's unfused packed "
+            "RoPE (_apply_rotary_pos_emb_thd) places tokens as split per document; megatron-adapt's fused "
+            "one (--position-embedding-type rope, --rope-fusion: the default) serves this split")
 
 
 def _meta(module, s_local, b, packed, device):
@@ -108,11 +145,13 @@ def _meta(module, s_local, b, packed, device):
                 f"({2 * st['size']}): megatron-adapt's context-parallel attention on the {st['backend']} "
                 "backend splits each sequence in 2·CP chunks, as Megatron does")
         return cp.sbhd_meta(b, s_local, st["size"], st["rank"], device)
+    key = (st["size"], st["rank"], st["thd_split"])
     cached = getattr(packed, "_adapt_cp_meta", None)
-    if cached is None or cached[0] != (st["size"], st["rank"]):
-        pos, doc = cp.thd_meta(packed.cu_seqlens_q, packed.cu_seqlens_q_padded, s_local * st["size"],
-                               st["size"], st["rank"], device)
-        packed._adapt_cp_meta = cached = ((st["size"], st["rank"]), pos, doc)
+    if cached is None or cached[0] != key:
+        meta = cp.thd_sequence_meta if st["thd_split"] == "sequence" else cp.thd_meta
+        pos, doc = meta(packed.cu_seqlens_q, packed.cu_seqlens_q_padded, s_local * st["size"],
+                        st["size"], st["rank"], device)
+        packed._adapt_cp_meta = cached = (key, pos, doc)
     return cached[1], cached[2]
 
 

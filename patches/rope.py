@@ -55,7 +55,16 @@ def _mla_gather(t, rot):
 def _positions(cu_seqlens, total, cp_rank, cp_size):
     """Each packed (thd) token's position in its sequence, as Megatron's _get_thd_token_idx:
     lengths are cu_seqlens // cp_size on this rank; under context parallelism a rank holds the
-    chunks cp_rank and 2 * cp_size - cp_rank - 1 of each sequence."""
+    chunks cp_rank and 2 * cp_size - cp_rank - 1 of each sequence. Where Megatron split the whole
+    packed row instead (core_v0.19's --dataloader-inter-document-masking: patches/context_parallel's
+    per_sequence_thd_split), the rank holds those chunks of the row, and a token's position is its
+    offset in the document holding it."""
+    if cp_size > 1:
+        from megatron_adapt.backends import context_parallel as cp
+        from megatron_adapt.patches.context_parallel import per_sequence_thd_split
+
+        if per_sequence_thd_split():
+            return cp.thd_sequence_meta(cu_seqlens, None, total * cp_size, cp_size, cp_rank)[0][0].to(cu_seqlens.device)
     cu = torch.div(cu_seqlens.long(), cp_size, rounding_mode="floor")
     lengths = cu[1:] - cu[:-1]
     seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths,
@@ -114,7 +123,8 @@ def build_fused_thd(backend, original):
     """TE's fused RoPE for packed (thd) tensors: t [T, h, d], freqs [max_s, 1, 1, r], each token
     rotated by its position in its sequence (cu_seqlens: Megatron passes the padded offsets where
     it has them); under context parallelism this rank holds chunks cp_rank and 2 * cp_size -
-    cp_rank - 1 of each sequence (TE's and Megatron's thd split)."""
+    cp_rank - 1 of each sequence (TE's and Megatron's thd split), or of the whole packed row (core
+    0.19's --dataloader-inter-document-masking: see _positions)."""
     rope = backend.op("rope")
 
     def fused_apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_size=1, cp_rank=0, interleaved=False):

@@ -4,7 +4,8 @@ op) in 2 gloo processes, against full attention over the whole sequence with an 
 ring, allgather, a2a, a2a+p2p with the pair of groups either way round), SBHD with Megatron's
 load-balanced 2·CP chunks (causal, sliding window) and THD split as TE's
 thd_get_partitioned_indices (uneven documents crossing chunk boundaries, a document of length 1,
-padding between documents), GQA."""
+padding between documents), THD split as one row in 2·CP chunks (core_v0.19's per-sequence split
+of --dataloader-inter-document-masking batches: documents cut anywhere, with and without padding), GQA."""
 import os
 
 import pytest
@@ -26,8 +27,16 @@ CASES = [  # (name, layout, comm, dtype, window)
     ("thd-a2a", "thd", "a2a", torch.float32, None),
     ("thd-a2a+p2p(1x2)", "thd", "a2a+p2p/1x2", torch.float32, None),
     ("thd-p2p-window", "thd", "p2p", torch.float32, (2, 0)),
+    # the whole packed row in 2·CP chunks (core_v0.19's --dataloader-inter-document-masking split)
+    ("thdseq-p2p", "thdseq", "p2p", torch.float32, None),
+    ("thdseq-allgather", "thdseq", "allgather", torch.float32, None),
+    ("thdseq-a2a", "thdseq", "a2a", torch.float32, None),
+    ("thdseq-a2a+p2p(1x2)", "thdseq", "a2a+p2p/1x2", torch.float32, None),
+    ("thdseq-p2p-window", "thdseq", "p2p", torch.float32, (2, 0)),
+    ("thdseq-padded-p2p", "thdseq-padded", "p2p", torch.float32, None),
 ]
 LENGTHS, SLOTS = [5, 1, 9, 3], [8, 4, 12, 4]   # slots: multiples of 2·CP = 4
+SEQ_LENGTHS = [5, 1, 9, 3, 10]                  # 28 tokens, chunks of 7: documents cut anywhere
 
 
 def _case(rank, name, layout, comm, dtype, window, groups):
@@ -44,13 +53,18 @@ def _case(rank, name, layout, comm, dtype, window, groups):
         idx = pos[0]
         gpos, gdoc = torch.arange(s), torch.zeros(s, dtype=torch.long)
     else:
-        b, s = 1, sum(SLOTS)
+        lengths, slots = (LENGTHS, SLOTS) if layout in ("thd", "thdseq-padded") else (SEQ_LENGTHS, SEQ_LENGTHS)
+        b, s = 1, sum(slots)
         q, k, v = (torch.randn(1, h, s, d, generator=g) for h in (hq, hkv, hkv))
-        cu, cu_p = thd_cases.cu(LENGTHS), thd_cases.cu(SLOTS)
-        idx = cp.thd_partitioned_indices(cu_p, s, cp_size, rank)
-        pos, doc = cp.thd_meta(cu, cu_p, s, cp_size, rank)
+        cu, cu_p = thd_cases.cu(lengths), thd_cases.cu(slots)
+        if layout == "thd":
+            idx = cp.thd_partitioned_indices(cu_p, s, cp_size, rank)
+            pos, doc = cp.thd_meta(cu, cu_p, s, cp_size, rank)
+        else:          # Megatron's per-sequence split of the row: the sbhd chunks of its s tokens
+            idx = cp.sbhd_meta(1, s // cp_size, cp_size, rank)[0][0]
+            pos, doc = cp.thd_sequence_meta(cu, None if slots is lengths else cu_p, s, cp_size, rank)
         gpos, gdoc = torch.zeros(s, dtype=torch.long), torch.full((s,), -1)
-        for i, (start, n) in enumerate(zip(cu_p[:-1].tolist(), LENGTHS)):
+        for i, (start, n) in enumerate(zip(cu_p[:-1].tolist(), lengths)):
             gpos[start:start + n], gdoc[start:start + n] = torch.arange(n), i
     q, k, v = (t.to(dtype).float() for t in (q, k, v))     # the values dtype can hold
     gout = torch.randn(b, hq, s, d, generator=g)
@@ -182,3 +196,23 @@ def test_thd_partitioned_indices_as_te_defines_them():
     assert doc[0].tolist() == [0, 0, 0, -1, -1, -1, 2, 2, 2, 2, 2, 2, 3, 3]
     with pytest.raises(ValueError, match="padded length 6 .* not a multiple of 2 x context-parallel size = 4"):
         cp.thd_partitioned_indices(thd_cases.cu([8, 6, 2]), 16, 2, 0)
+
+
+def test_thd_sequence_meta_places_tokens_of_the_row_split():
+    """core_v0.19's per-sequence split: rank r holds chunks r and 2·CP-1-r of the whole packed row
+    (28 tokens, chunks of 7); each token's document and its offset there, padding -1."""
+    import thd_cases
+    from megatron_adapt.backends import context_parallel as cp
+
+    cu = thd_cases.cu(SEQ_LENGTHS)     # documents at 0, 5, 6, 15, 18
+    pos, doc = cp.thd_sequence_meta(cu, None, 28, 2, 0)       # tokens 0-6 and 21-27
+    assert pos[0].tolist() == [0, 1, 2, 3, 4, 0, 0, 3, 4, 5, 6, 7, 8, 9]
+    assert doc[0].tolist() == [0, 0, 0, 0, 0, 1, 2, 4, 4, 4, 4, 4, 4, 4]
+    pos, doc = cp.thd_sequence_meta(cu, None, 28, 2, 1)       # tokens 7-20
+    assert pos[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 0, 1, 2]
+    assert doc[0].tolist() == [2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 4, 4, 4]
+    pos, doc = cp.thd_sequence_meta(thd_cases.cu(LENGTHS), thd_cases.cu(SLOTS), 28, 2, 1)
+    assert pos[0].tolist() == [7, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert doc[0].tolist() == [-1, 1, -1, -1, -1, 2, 2, 2, 2, 2, 2, 2, 2, 2]
+    with pytest.raises(ValueError, match="ends at 18, not at the 28 packed tokens"):
+        cp.thd_sequence_meta(thd_cases.cu([5, 13]), None, 28, 2, 0)
