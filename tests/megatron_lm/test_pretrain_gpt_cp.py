@@ -17,7 +17,7 @@ import os
 import subprocess
 
 from test_pretrain_gpt import (LLAMA, LM, NEEDS_CHECKOUT, NOT_IMPORTED_BY_GPT, TINY_GPT, Run,  # noqa: F401
-                               _env, _free_port, assert_loss_falls, assert_patched, pretrain)
+                               _env, _free_port, assert_loss_falls, assert_patched, launch, pretrain)
 
 pytestmark = pytest.mark.skipif(not LM, reason="MEGATRON_LM_PATH is not set (a Megatron-LM checkout)")
 
@@ -106,19 +106,84 @@ def _has_inter_document_masking() -> bool:
     return os.path.isfile(path) and "--dataloader-inter-document-masking" in open(path).read()
 
 
-@pytest.mark.skipif(not _has_inter_document_masking(),
-                    reason="this Megatron-LM checkout has no --dataloader-inter-document-masking (core_v0.19+)")
-def test_inter_document_masking_runs_thd_and_refuses_cp(tmp_path):
-    """core_v0.19: --dataloader-inter-document-masking packs each sample's documents (thd): served
-    by attention_thd at CP=1; at CP=2 Megatron splits those batches per sequence, which is refused
-    naming the flags and the backend."""
-    report = tmp_path / "report.json"
-    run_ = pretrain([*CP_ARGS, "--dataloader-inter-document-masking"], tmp_path, "idm", iters=5,
-                    env={"MEGATRON_ADAPT_REPORT": str(report)}).check()
-    run_.report = report
-    assert impls(run_, "attention_thd") == {"cpu.torch.sdpa.per_sequence"}
-    assert not impls(run_, "attention")
-    bad = pretrain([*CP_ARGS, "--dataloader-inter-document-masking", "--context-parallel-size", "2"], tmp_path,
-                   "idm_cp2", iters=1)
-    assert bad.rc != 0 and ("--dataloader-inter-document-masking with --context-parallel-size 2: megatron-adapt's "
-                            "context-parallel attention on the cpu backend") in bad.out
+def short_document_data(directory):
+    """An indexed dataset (Megatron's .bin/.idx) of 400 documents of 3-40 tokens, so that each
+    64-token sample holds several documents whose boundaries fall anywhere (the mock data's
+    documents are 1-4095 tokens long: most samples would hold one). A document counts from a
+    random start by a random step (mod 127): its next token follows from its previous two, so
+    what attention sees (its own document, or the one before too) shows in the loss; 127 (the
+    NullTokenizer's end of document) ends each."""
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = os.path.join(str(directory), "short_docs")
+    rng = numpy.random.default_rng(5)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
+    for _ in range(400):
+        n = int(rng.integers(3, 41))
+        start, step = rng.integers(0, 127), rng.integers(1, 12)
+        doc = numpy.append((start + step * numpy.arange(n - 1)) % 127, 127)
+        builder.add_document(torch.from_numpy(doc), [n])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def idm_run(name, tmp_path_factory, *extra, masking=True):
+    """pretrain_gpt.py on short_document_data (TINY_GPT's --mock-data replaced by --data-path)."""
+    if name not in _runs:
+        tmp = tmp_path_factory.mktemp(name)
+        if "data" not in _runs:
+            _runs["data"] = short_document_data(tmp_path_factory.mktemp("data"))
+        report = tmp / "report.json"
+        # (TINY_GPT's --split 949,50,1 would give the test split no document of these 400)
+        args = ["90,8,2" if a == "949,50,1" else a for a in TINY_GPT if a != "--mock-data"]
+        args += ["--data-path", _runs["data"], "--train-iters", "10", *CP_ARGS, *extra]
+        args += ["--dataloader-inter-document-masking"] if masking else []
+        _runs[name] = launch("pretrain_gpt.py", args, tmp, name, env={"MEGATRON_ADAPT_REPORT": str(report)})
+        _runs[name].report = report
+    return _runs[name]
+
+
+needs_idm = pytest.mark.skipif(not _has_inter_document_masking(), reason="this Megatron-LM checkout has no "
+                               "--dataloader-inter-document-masking (core_v0.19+)")
+
+
+@needs_idm
+def test_inter_document_masking_cp1_runs_thd_and_masks(tmp_path_factory):
+    """core_v0.19: --dataloader-inter-document-masking packs each micro-batch's documents (thd):
+    served by attention_thd at CP=1. Control: the same data without the flag (one causal sequence
+    per sample) gives losses that differ by more than the CP parity bound below, so that parity
+    tells a run that masks documents from one that does not."""
+    base = idm_run("idm_cp1", tmp_path_factory).check()
+    assert impls(base, "attention_thd") == {"cpu.torch.sdpa.per_sequence"}
+    assert not impls(base, "attention") and not impls(base, "attention_cp")
+    plain = idm_run("plain_cp1", tmp_path_factory, masking=False).check()
+    # (0.034 measured at step 10)
+    assert max(abs(plain.losses[i] - base.losses[i]) for i in base.losses) > 2e-2, (base.losses, plain.losses)
+
+
+@needs_idm
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_inter_document_masking_cp2_matches_cp1(tmp_path_factory, comm):
+    """At CP=2 Megatron splits these batches per sequence (the whole packed micro-batch in 4
+    chunks, documents cut anywhere; use_per_sequence_balancing): attention_cp is told each token's
+    document and position, the fused packed RoPE its position. fp32, 10 steps, max |dloss| <= 2e-3
+    against CP=1 (DP=2, same global batch)."""
+    base = idm_run("idm_cp1", tmp_path_factory).check()
+    cp = idm_run(f"idm_cp2_{comm}", tmp_path_factory, "--context-parallel-size", "2", "--cp-comm-type", comm).check()
+    assert sorted(cp.losses) == sorted(base.losses) == list(range(1, 11))
+    diffs = [abs(cp.losses[i] - base.losses[i]) for i in base.losses]
+    assert max(diffs) <= 2e-3, (comm, base.losses, cp.losses)
+    assert_loss_falls(cp, by=0.1)      # (0.145 measured: these documents are harder than the mock data)
+    assert impls(cp, "attention_cp") == {f"cpu.torch.{comm}"}
+    assert not impls(cp, "attention_thd")
+
+
+@needs_idm
+def test_inter_document_masking_cp2_refuses_unfused_rope(tmp_path):
+    bad = launch("pretrain_gpt.py", [*TINY_GPT, "--train-iters", "1", *CP_ARGS, "--dataloader-inter-document-masking",
+                                     "--context-parallel-size", "2", "--no-rope-fusion"], tmp_path, "idm_unfused")
+    assert bad.rc != 0
+    assert ("--dataloader-inter-document-masking with --context-parallel-size 2 on the cpu backend and "
+            "--position-embedding-type rope without RoPE fusion") in bad.out
