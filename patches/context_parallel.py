@@ -29,7 +29,9 @@ PackedSeqParams.
 import contextlib
 import copy
 
+from megatron_adapt import start_checks
 from megatron_adapt.spec import PatchSpec
+from megatron_adapt.start_checks import where
 
 AREA = "context_parallel"
 
@@ -193,6 +195,54 @@ def forward(module, query, key, value, attention_mask, attn_mask_type=None, atte
     if packed_seq_params is not None:
         return out[0].transpose(0, 1).reshape(out.size(2), -1)
     return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)
+
+
+# ----------------------------------------------------------------------------- refused at start
+def comm_type_refusal(backend, s: dict) -> str | None:
+    """A --cp-comm-type the backend's attention_cp cannot serve, decided from the settings alone
+    (Megatron's argument names): a type outside the four, or a2a / a2a+p2p with query or key/value
+    heads per tensor-parallel rank that the all-to-all group (the CP group; for a2a+p2p the first
+    of --hierarchical-context-parallel-sizes) does not divide. MLA and the experimental attention
+    variants build their heads otherwise: their heads are checked at construction."""
+    from megatron_adapt.backends import context_parallel as cp
+
+    size = s.get("context_parallel_size") or 1
+    if size <= 1:
+        return None
+    comms = s.get("cp_comm_type") or ["p2p"]
+    comms = [comms] if isinstance(comms, str) else [c or "p2p" for c in comms]
+    tp = s.get("tensor_model_parallel_size") or 1
+    heads = s.get("num_attention_heads")
+    groups = s.get("num_query_groups") if s.get("group_query_attention") else heads
+    hierarchical = s.get("hierarchical_context_parallel_sizes")
+    heads_known = (heads and groups and not s.get("multi_latent_attention")
+                   and not s.get("experimental_attention_variant"))
+    for comm in dict.fromkeys(comms):
+        n = hierarchical[0] if comm == "a2a+p2p" and hierarchical else size
+        if comm not in cp.COMM_TYPES:
+            why = cp.check(comm, 1, 1, [n])
+        elif not heads_known or (comm == "a2a+p2p" and not hierarchical):   # (Megatron asserts on the latter)
+            continue
+        else:
+            why = cp.check(comm, heads // tp, groups // tp, [n])
+        if why:
+            return (f"--cp-comm-type {comm} with --context-parallel-size {size}: {where(backend)} cannot serve "
+                    f"it: {why}")
+    return None
+
+
+def _comm_settings(config) -> dict:
+    return {"context_parallel_size": config.context_parallel_size, "cp_comm_type": config.cp_comm_type,
+            "tensor_model_parallel_size": config.tensor_model_parallel_size,
+            "num_attention_heads": config.num_attention_heads, "num_query_groups": config.num_query_groups,
+            "group_query_attention": True,
+            "hierarchical_context_parallel_sizes": config.hierarchical_context_parallel_sizes,
+            "multi_latent_attention": getattr(config, "multi_latent_attention", False),
+            "experimental_attention_variant": getattr(config, "experimental_attention_variant", None)}
+
+
+start_checks.register(AREA, "cp_comm_type", from_args=comm_type_refusal,
+                      from_config=lambda backend, config: comm_type_refusal(backend, _comm_settings(config)))
 
 
 # ----------------------------------------------------------------------------- THD batches under CP

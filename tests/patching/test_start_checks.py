@@ -38,6 +38,11 @@ class TestConfig:
                                 "megatron-adapt's linears compute weight gradients inside the backward"),
         ("mla_local", "MLATransformerConfig: --multi-latent-attention --transformer-impl local: the cpu backend "
                       "cannot run it: Megatron's local spec builds MLA's core attention from DotProductAttention"),
+        ("cp_a2a_heads", "TransformerConfig: --cp-comm-type a2a with --context-parallel-size 2: the cpu backend "
+                         "cannot serve it: cp_comm_type a2a: 4 query and 1 key/value heads per tensor-parallel rank "
+                         "must both divide by the all-to-all group size 2"),
+        ("cp_comm_unknown", "TransformerConfig: --cp-comm-type ring with --context-parallel-size 2: the cpu backend "
+                            "cannot serve it: cp_comm_type 'ring' is none of p2p, allgather, a2a, a2a+p2p"),
     ])
     def test_refused(self, key, expected):
         got = worker("config")[key]
@@ -45,7 +50,7 @@ class TestConfig:
             pytest.skip(f"this megatron-core's TransformerConfig has no {key}")
         assert got.startswith(REFUSED + expected), got
 
-    @pytest.mark.parametrize("key", ["plain", "mla_te"])
+    @pytest.mark.parametrize("key", ["plain", "mla_te", "cp_a2a_served"])
     def test_served_configs_build(self, key):
         assert worker("config")[key] == "built"
 
@@ -117,6 +122,13 @@ CASES = [
     (["--multi-latent-attention", "--transformer-impl", "local"],
      REFUSED + "--multi-latent-attention --transformer-impl local: the cpu backend cannot run it"),
     (["--fp8-format", "hybrid", "--bf16"], REFUSED + "--fp8-format hybrid: the cpu backend cannot run it"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--group-query-attention", "--num-query-groups", "1"],
+     REFUSED + "--cp-comm-type a2a with --context-parallel-size 2: the cpu backend cannot serve it: cp_comm_type "
+               "a2a: 4 query and 1 key/value heads per tensor-parallel rank must both divide by the all-to-all "
+               "group size 2"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "all_gather"],
+     REFUSED + "--cp-comm-type all_gather with --context-parallel-size 2: the cpu backend cannot serve it: "
+               "cp_comm_type 'all_gather' is none of p2p, allgather, a2a, a2a+p2p"),
     # refused by Megatron's own validate_args, at start, with a message that names the flag
     (["--delay-wgrad-compute", "--transformer-impl", "local"],
      "AssertionError: Delaying wgrad compute is only supported with transformer_engine implementation"),
@@ -127,6 +139,7 @@ CASES = [
      "position embeddings."),
     # served: not refused
     (["--multi-latent-attention"], "passed"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a"], "passed"),
     ([], "passed"),
 ]
 NO_LM = ("MEGATRON_LM_PATH is not set: Megatron-LM's argument parsing (megatron.training) lives in a checkout"
@@ -176,3 +189,40 @@ def test_refusals_name_every_backend(backend, settings, expected):
         return
     assert len(got) == 1 and got[0].startswith(f"{expected}: the {backend} backend cannot run it: "), got
     assert "host memory" not in got[0]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda", "npu"])
+@pytest.mark.parametrize("settings,expected", [
+    ({"context_parallel_size": 2, "cp_comm_type": ["a2a"], "num_attention_heads": 4, "group_query_attention": True,
+      "num_query_groups": 1}, "--cp-comm-type a2a with --context-parallel-size 2: the {b} backend cannot serve it: "
+                              "cp_comm_type a2a: 4 query and 1 key/value heads"),
+    # per tensor-parallel rank: 8 heads over TP=2 are 4, over an all-to-all group of 8
+    ({"context_parallel_size": 8, "cp_comm_type": ["p2p", "a2a"], "num_attention_heads": 8,
+      "tensor_model_parallel_size": 2}, "--cp-comm-type a2a with --context-parallel-size 8: the {b} backend cannot "
+                                        "serve it: cp_comm_type a2a: 4 query and 4 key/value heads per "
+                                        "tensor-parallel rank must both divide by the all-to-all group size 8"),
+    # a2a+p2p: the all-to-all group is the first of the hierarchical sizes
+    ({"context_parallel_size": 4, "cp_comm_type": ["a2a+p2p"], "hierarchical_context_parallel_sizes": [4, 1],
+      "num_attention_heads": 6}, "--cp-comm-type a2a+p2p with --context-parallel-size 4: the {b} backend cannot "
+                                 "serve it: cp_comm_type a2a+p2p: 6 query and 6 key/value heads"),
+    ({"context_parallel_size": 4, "cp_comm_type": ["a2a+p2p"], "hierarchical_context_parallel_sizes": [2, 2],
+      "num_attention_heads": 6}, None),
+    ({"context_parallel_size": 2, "cp_comm_type": "ulysses", "num_attention_heads": 4},
+     "--cp-comm-type ulysses with --context-parallel-size 2: the {b} backend cannot serve it: cp_comm_type "
+     "'ulysses' is none of p2p, allgather, a2a, a2a+p2p"),
+    ({"context_parallel_size": 1, "cp_comm_type": ["ulysses"], "num_attention_heads": 4}, None),   # no CP: unused
+    ({"context_parallel_size": 2, "cp_comm_type": ["allgather"], "num_attention_heads": 3}, None),
+    ({"context_parallel_size": 2, "cp_comm_type": ["a2a"], "num_attention_heads": 3,
+      "multi_latent_attention": True}, None),     # MLA's heads: checked at construction
+])
+def test_cp_comm_type_refusal_from_settings(backend, settings, expected):
+    """--cp-comm-type refused at start from the arguments alone, naming the flag and the backend."""
+    import types
+
+    from megatron_adapt.patches import context_parallel as area
+
+    got = area.comm_type_refusal(types.SimpleNamespace(name=backend), settings)
+    if expected is None:
+        assert got is None, got
+    else:
+        assert got is not None and got.startswith(expected.format(b=backend)), got
