@@ -1,10 +1,12 @@
 """Context parallelism in stock pretrain_gpt.py (unmodified) under megatron-adapt-run, cpu backend,
 gloo, 2 processes, fp32, the default --transformer-impl (TE spec served by megatron-adapt):
 --context-parallel-size 2 with --cp-comm-type p2p and a2a against CP=1 (DP=2, the same global
-batch), 10 steps, max |Δloss| <= 2e-3; and the refusals at start: a sequence length 2·CP does not
-divide (Megatron's own message), a cp-comm-type the backend cannot serve for these heads (a2a with
-one key/value head: ours, naming the flag and the backend), the area switched off (Megatron's
-assertion comes back); Megatron's default dropout at CP=2 trains. And with 4 processes: TP=2 + --sequence-parallel + CP=2 (p2p) against TP=2
+batch), 10 steps, max |Δloss| <= 2e-3; the same with core_v0.19's --dataloader-inter-document-masking
+(packed documents, split per sequence at CP=2) on a dataset of short documents; and the refusals at
+start: a sequence length 2·CP does not divide (Megatron's own message), a cp-comm-type the backend
+cannot serve for these heads (a2a with one key/value head: ours, from the arguments, naming the flag
+and the backend), the area switched off (Megatron's assertion comes back), inter-document masking at
+CP=2 with unfused RoPE; Megatron's default dropout at CP=2 trains. And with 4 processes: TP=2 + --sequence-parallel + CP=2 (p2p) against TP=2
 (DP=2). Dropout off: CP and DP draw different dropout masks. Each launch ~20-30 s on two CPU
 cores; the file ~3.5 minutes. Needs MEGATRON_LM_PATH."""
 from __future__ import annotations
@@ -71,9 +73,10 @@ def test_a2a_with_heads_the_group_cannot_split_is_refused(tmp_path):
     bad = pretrain([*CP_ARGS, "--context-parallel-size", "2", "--cp-comm-type", "a2a", "--group-query-attention",
                     "--num-query-groups", "1"], tmp_path, "a2a_heads", iters=1)
     assert bad.rc != 0
-    assert ("--cp-comm-type a2a with --context-parallel-size 2: the cpu backend cannot serve it: cp_comm_type a2a: "
-            "4 query and 1 key/value heads per tensor-parallel rank must both divide by the all-to-all group "
-            "size 2") in bad.out
+    assert ("UnsupportedFeatureError: --cp-comm-type a2a with --context-parallel-size 2: the cpu backend cannot "
+            "serve it: cp_comm_type a2a: 4 query and 1 key/value heads per tensor-parallel rank must both divide by "
+            "the all-to-all group size 2") in bad.out     # at start (start_checks), before any model is built
+    assert "number of parameters on" not in bad.out     # (Megatron prints it once the model is built)
 
 
 def test_area_switched_off_gives_megatrons_assertion(tmp_path):
