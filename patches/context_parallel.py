@@ -232,11 +232,12 @@ def comm_type_refusal(backend, s: dict) -> str | None:
 
 
 def _comm_settings(config) -> dict:
-    return {"context_parallel_size": config.context_parallel_size, "cp_comm_type": config.cp_comm_type,
+    return {"context_parallel_size": config.context_parallel_size,
+            "cp_comm_type": getattr(config, "cp_comm_type", None),
             "tensor_model_parallel_size": config.tensor_model_parallel_size,
             "num_attention_heads": config.num_attention_heads, "num_query_groups": config.num_query_groups,
             "group_query_attention": True,
-            "hierarchical_context_parallel_sizes": config.hierarchical_context_parallel_sizes,
+            "hierarchical_context_parallel_sizes": getattr(config, "hierarchical_context_parallel_sizes", None),
             "multi_latent_attention": getattr(config, "multi_latent_attention", False),
             "experimental_attention_variant": getattr(config, "experimental_attention_variant", None)}
 
