@@ -6,7 +6,8 @@ documents crossing chunk boundaries; on core 0.17+, which has no such function, 
 through backends/context_parallel.thd_partitioned_indices), runs the model with --cp-comm-type p2p or a2a, RoPE fusion on (megatron-adapt's
 fused thd RoPE) and off (Megatron's own), and must give the per-token losses of the same packed
 batch at CP=1 (within 2e-3; they land near 1e-6) and, summed over the CP group, the same gradients
-(1e-4 relative). Also: a local sequence of odd length is refused naming the flag and backend."""
+(1e-4 relative). Also: a local sequence of odd length is refused naming the flag and backend, and
+so is what core_v0.19's --dataloader-inter-document-masking under CP cannot get (settings only)."""
 import os
 
 import pytest
@@ -145,3 +146,30 @@ def test_odd_local_sequence_is_refused():
 
 def test_report_names_the_cp_op():
     assert results()[0]["impls"] == ["cpu.torch.a2a", "cpu.torch.p2p"]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda", "npu"])
+def test_inter_document_masking_refusals_name_flags_and_backend(backend):
+    """--dataloader-inter-document-masking under CP (split per sequence): what is not served is
+    refused at construction, naming the flags and the backend: a megatron-core other than 0.19 (whose
+    split rule this follows), MLA, RoPE without fusion. Without Megatron-LM's parsed arguments
+    (megatron-core users) batches count as split per document."""
+    import types
+
+    from megatron_adapt.patches import context_parallel as area
+    from megatron_adapt.versions import megatron_core_version
+
+    assert area.per_sequence_thd_split() is False
+    b = types.SimpleNamespace(name=backend)
+    version = megatron_core_version()
+    name = f"--dataloader-inter-document-masking with --context-parallel-size 2 on the {backend} backend"
+    mla = types.SimpleNamespace(context_parallel_size=2, multi_latent_attention=True, apply_rope_fusion=True)
+    with pytest.raises(NotImplementedError) as refused:
+        area._check_sequence_split(mla, b)
+    if (version.major, version.minor) != (0, 19):
+        assert str(refused.value).startswith(f"{name}: megatron-adapt serves core_v0.19's split"), refused.value
+        assert f"megatron-core {version} is not checked" in str(refused.value)
+        return
+    assert str(refused.value).startswith(f"{name} and --multi-latent-attention: "), refused.value
+    served = types.SimpleNamespace(context_parallel_size=2, multi_latent_attention=False, apply_rope_fusion=True)
+    assert area._check_sequence_split(served, b) is None
