@@ -10,6 +10,8 @@ measures faster and agrees (providers.py). Which backend will serve a call is pr
 once per signature with torch.backends.cuda.can_use_* and reported; the math path (it
 materialises the scores) is reported as a fallback.
 """
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -141,15 +143,27 @@ def _padded_index(segs, device):
 
 def attention_thd(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
                   causal=True, scale=None, dropout_p=0.0, window_size=None):
-    """Packed sequences as one padded batch [n, h, L, d] through SDPA: causal self-attention goes as
-    is_causal (a sequence's trailing padding lies after all its queries, so it is never seen: the
-    flash / cuDNN kernels serve it); windows and non-causal calls add a key-padding mask. Sequences
-    whose q and kv lengths differ go one by one through `attention`."""
+    """Packed sequences on the GPU go through torch's variable-length flash kernel (cu_seqlens in,
+    only the within-document work done, GQA and windows native), measured against the other
+    layouts in scripts/bench_kernels.py (--ops attention_thd; docs/long-context.md). Where flash
+    cannot serve (fp32, a head dim it does not take, before sm80, q/v head dims that differ), the
+    sequences go as one padded batch [n, h, L, d] through SDPA: causal self-attention as
+    is_causal (a sequence's trailing padding lies after all its queries, so it is never seen);
+    windows and non-causal calls add a key-padding mask. Sequences whose q and kv lengths differ
+    go one by one through `attention` on that path."""
     reference.check_thd(q, k, v)
     segs_q = reference.thd_segments(cu_seqlens_q, cu_seqlens_q_padded, q.size(0), "cu_seqlens_q")
     segs_kv = reference.thd_segments(cu_seqlens_kv, cu_seqlens_kv_padded, k.size(0), "cu_seqlens_kv")
     if len(segs_q) != len(segs_kv):
         raise ValueError(f"cu_seqlens_q has {len(segs_q)} sequences, cu_seqlens_kv {len(segs_kv)}")
+    why_not = _varlen_why_not(q, k, v)
+    if why_not is None:
+        report.ran("attention_thd", "cuda.flash.varlen")
+        return _varlen(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_size)
+    return _padded_batch(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_size)
+
+
+def _padded_batch(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_size):
     keep = [i for i, (_, length) in enumerate(segs_q) if length]
     if any(segs_q[i][1] != segs_kv[i][1] for i in range(len(segs_q))):
         report.ran("attention_thd", "cuda.sdpa.per_sequence")
@@ -172,6 +186,80 @@ def attention_thd(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded=None
     ob = _sdpa(qb, kb, vb, attn_mask=keep_mask, dropout_p=dropout_p, is_causal=use_causal, scale=scale,
                enable_gqa=gqa).transpose(1, 2)          # [n, L, h, dv]
     return out.index_copy(0, iq[valid], ob[valid])
+
+
+_FLASH_VARLEN = getattr(torch.ops.aten, "_flash_attention_forward", None)
+
+
+def _varlen_why_not(q, k, v):
+    """None where torch's varlen flash kernel takes these inputs, else why not."""
+    if q.device.type != "cuda":
+        return "not a CUDA tensor"
+    if _FLASH_VARLEN is None:
+        return "this torch has no aten._flash_attention_forward"
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype}: flash takes fp16 / bf16"
+    d = q.size(-1)
+    if k.size(-1) != d or v.size(-1) != d or d % 8 or d > 256:
+        return f"head dims q {d}, k {k.size(-1)}, v {v.size(-1)}: flash takes one head dim, a multiple of 8, <= 256"
+    if torch.cuda.get_device_capability(q.device) < (8, 0):
+        return "flash needs sm80 or newer"
+    return None
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """aten's variable-length flash attention forward and backward (q/k/v [T, heads, d], int32
+    cumulative offsets, GQA by head counts, bottom-right causal alignment, windows)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, left, right):
+        out, lse, rng, unused, _ = _FLASH_VARLEN(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, False,
+                                                 scale=scale, window_size_left=left, window_size_right=right)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng, unused)
+        ctx.args = (max_q, max_k, dropout_p, causal, scale, left, right)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_q, cu_k, rng, unused = ctx.saved_tensors
+        max_q, max_k, dropout_p, causal, scale, left, right = ctx.args
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, rng, unused,
+            scale=scale, window_size_left=left, window_size_right=right)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+def _compact(t, segs, lengths):
+    """The rows of the sequences, back to back: a leading slice of t where they already lie so,
+    else gathered; with the gather's row index (None for a slice)."""
+    starts = [s for s, _ in segs]
+    n = sum(lengths)
+    if starts[0] == 0 and all(starts[i + 1] == starts[i] + lengths[i] for i in range(len(starts) - 1)):
+        return (t if n == t.size(0) else t[:n]), None
+    rows = torch.cat([torch.arange(s, s + length) for s, length in zip(starts, lengths)]).to(t.device)
+    return t.index_select(0, rows), rows
+
+
+def _varlen(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_size):
+    live = [i for i in range(len(segs_q)) if segs_q[i][1] and segs_kv[i][1]]
+    if not live:
+        return q.new_zeros(q.shape) + 0 * (q.sum() + k.sum() + v.sum())
+    sq, skv = [segs_q[i] for i in live], [segs_kv[i] for i in live]
+    len_q, len_k = [n for _, n in sq], [n for _, n in skv]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    qc, rows_q = _compact(q, sq, len_q)
+    kc, rows_k = _compact(k, skv, len_k)
+    vc = v[:kc.size(0)] if rows_k is None else v.index_select(0, rows_k)
+    cu_q = torch.tensor([0] + list(itertools.accumulate(len_q)), dtype=torch.int32).to(q.device, non_blocking=True)
+    cu_k = torch.tensor([0] + list(itertools.accumulate(len_k)), dtype=torch.int32).to(q.device, non_blocking=True)
+    left, right = (None, None) if window_size is None else (int(window_size[0]), int(window_size[1]))
+    out = _FlashVarlen.apply(qc, kc, vc, cu_q, cu_k, max(len_q), max(len_k), causal, scale, dropout_p, left, right)
+    n = sum(len_q)
+    if rows_q is not None:
+        return q.new_zeros(q.shape).index_copy(0, rows_q, out)
+    if n == q.size(0):
+        return out
+    return torch.cat([out, out.new_zeros((q.size(0) - n,) + tuple(out.shape[1:]))])
 
 
 def _per_sequence(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_size):

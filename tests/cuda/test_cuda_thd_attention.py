@@ -1,7 +1,7 @@
-"""Packed (thd) attention on the cuda backend: the sequences as one padded batch through SDPA
-(is_causal where causal, else a key-padding mask), against full attention under an explicit
-block-diagonal mask (tests/thd_cases.py), forward and backward. On CPU tensors without a GPU
-(SDPA's CPU kernels); the flash / cuDNN paths and the speed need an H100 (scripts/bench_kernels.py)."""
+"""Packed (thd) attention on the cuda backend against full attention under an explicit
+block-diagonal mask (tests/thd_cases.py), forward and backward. On a GPU, bf16 goes through torch's
+variable-length flash kernel and fp32 as one padded batch through SDPA; without a GPU (CPU tensors,
+SDPA's CPU kernels) every case takes the padded batch. The speed is scripts/bench_kernels.py's."""
 import pytest
 import torch
 
@@ -20,7 +20,32 @@ def test_padded_batch_matches_block_diagonal_attention(case, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"{case} {name}: {m}")
-    assert all(i.startswith("cuda.sdpa.padded_batch.") for i in ran_impl("attention_thd")), ran_impl("attention_thd")
+    if DEVICE.type == "cuda" and dtype == torch.bfloat16:
+        assert ran_impl("attention_thd") == {"cuda.flash.varlen"}
+    else:
+        assert all(i.startswith("cuda.sdpa.padded_batch.") for i in ran_impl("attention_thd")), ran_impl("attention_thd")
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="torch's varlen flash kernel runs on a GPU only")
+@pytest.mark.parametrize("padded", [False, True])
+def test_flash_varlen_at_bench_shape(padded):
+    """8 documents (one of length 1), GQA 16/4 heads, d128, bf16, against one SDPA per document in fp32."""
+    reset()
+    lengths = [700, 1, 1500, 333, 64, 900, 250, 348]
+    slots = [n + (5 if padded else 0) for n in lengths]
+    total = sum(slots) + (7 if padded else 0)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(total, 16, 128, generator=g).to(DEVICE, torch.bfloat16)
+    k, v = (torch.randn(total, 4, 128, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    cu = thd_cases.cu(lengths).to(DEVICE)
+    cu_p = thd_cases.cu(slots).to(DEVICE) if padded else None
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_p, cu_seqlens_kv_padded=cu_p, causal=True)
+    got = thd_cases.grads(lambda q, k, v: attn.attention_thd(q, k, v, **kw), q, k, v)
+    from megatron_adapt.backends import reference
+    want = thd_cases.grads(lambda q, k, v: reference.attention_thd(q, k, v, **kw), q.float(), k.float(), v.float())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+    assert ran_impl("attention_thd") == {"cuda.flash.varlen"}
 
 
 def test_q_and_kv_lengths_that_differ_go_one_sequence_at_a_time():
