@@ -423,6 +423,12 @@ def bench_attention_thd(be, args, dev, h=16, d=128, n_docs=8):
     record("attention_thd", shape, "ours", fwd_bwd(lambda: op(q, k, v, cu, cu, causal=True), [q, k, v], dy),
            flops=doc_flops, note=path)
     segs = [(int(a), n) for a, n in zip(cu[:-1].tolist(), lengths)]
+    for long_document in (512, 2048, 10 ** 9):
+        split = lambda: cuda_attention._varlen(q, k, v, segs, segs, True, None, 0.0, None, long_document=long_document)
+        name = "ours_varlen_only" if long_document == 10 ** 9 else f"ours_long_document_{long_document}"
+        record("attention_thd", shape, name, fwd_bwd(split, [q, k, v], dy), flops=doc_flops,
+               note=f"documents >= {long_document} tokens through SDPA one by one, the rest varlen flash; "
+                    + diff(split))
     padded = lambda: cuda_attention._padded_batch(q, k, v, segs, segs, True, None, 0.0, None)
     record("attention_thd", shape, "ours_padded_batch", fwd_bwd(padded, [q, k, v], dy), flops=doc_flops,
            note=diff(padded))
@@ -432,15 +438,13 @@ def bench_attention_thd(be, args, dev, h=16, d=128, n_docs=8):
         note = diff(ragged)
         record("attention_thd", shape, "cudnn_ragged_aten", fwd_bwd(ragged, [q, k, v], dy), flops=doc_flops,
                note=note)
-        record("attention_thd", shape, "cudnn_ragged_aten_fwd", lambda: ragged(), flops=doc_flops / 3.5,
-               note=note + "; forward only (flops of the forward)")
 
     def per_document():
         outs, at = [], 0
         for n in lengths:
             sl = slice(at, at + n)
-            outs.append(F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1),
-                                                       v[sl].transpose(0, 1), is_causal=True).transpose(0, 1))
+            outs.append(F.scaled_dot_product_attention(q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None],
+                                                       v[sl].transpose(0, 1)[None], is_causal=True)[0].transpose(0, 1))
             at += n
         return torch.cat(outs)
     record("attention_thd", shape, "sdpa_per_document", fwd_bwd(per_document, [q, k, v], dy), flops=doc_flops,
