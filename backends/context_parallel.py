@@ -182,14 +182,19 @@ def _block_bwd(q, k, v, ok, scale, out, dout, lse, drop=None):
 
 
 def _shift(tensors, group):
-    """Send to the next rank of the group, receive from the previous one."""
+    """Send to the next rank of the group, receive from the previous one: every send and receive
+    of a step in one batch_isend_irecv (one NCCL group call, as Megatron's own p2p does; sends and
+    receives issued one by one failed on two H100s with an illegal memory access), the send
+    buffers held until the batch completes."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     nxt, prv = dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
+    sends = [t.contiguous() for t in tensors]
     bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    works = [dist.isend(t.contiguous(), nxt, group=group) for t in tensors]
-    works += [dist.irecv(b, prv, group=group) for b in bufs]
-    for w in works:
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in sends]
+    ops += [dist.P2POp(dist.irecv, b, prv, group) for b in bufs]
+    for w in dist.batch_isend_irecv(ops):
         w.wait()
+    del sends
     return bufs
 
 

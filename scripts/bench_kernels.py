@@ -423,12 +423,6 @@ def bench_attention_thd(be, args, dev, h=16, d=128, n_docs=8):
     record("attention_thd", shape, "ours", fwd_bwd(lambda: op(q, k, v, cu, cu, causal=True), [q, k, v], dy),
            flops=doc_flops, note=path)
     segs = [(int(a), n) for a, n in zip(cu[:-1].tolist(), lengths)]
-    for long_document in (512, 2048, 10 ** 9):
-        split = lambda: cuda_attention._varlen(q, k, v, segs, segs, True, None, 0.0, None, long_document=long_document)
-        name = "ours_varlen_only" if long_document == 10 ** 9 else f"ours_long_document_{long_document}"
-        record("attention_thd", shape, name, fwd_bwd(split, [q, k, v], dy), flops=doc_flops,
-               note=f"documents >= {long_document} tokens through SDPA one by one, the rest varlen flash; "
-                    + diff(split))
     padded = lambda: cuda_attention._padded_batch(q, k, v, segs, segs, True, None, 0.0, None)
     record("attention_thd", shape, "ours_padded_batch", fwd_bwd(padded, [q, k, v], dy), flops=doc_flops,
            note=diff(padded))

@@ -143,10 +143,11 @@ def _padded_index(segs, device):
 
 def attention_thd(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
                   causal=True, scale=None, dropout_p=0.0, window_size=None):
-    """Packed sequences on the GPU: documents of LONG_DOCUMENT tokens or more one by one through
-    SDPA (cuDNN), the rest in one call of torch's variable-length flash kernel (cu_seqlens in, only
-    the within-document work done, GQA and windows native); chosen by measurement against the
-    other layouts (scripts/bench_kernels.py --ops attention_thd; docs/long-context.md). Where flash
+    """Packed sequences on the GPU go through torch's variable-length flash kernel in one call
+    (cu_seqlens in, only the within-document work done, GQA and windows native), chosen by
+    measurement against the other layouts: per-document cuDNN SDPA, a padded batch, a dense
+    block-diagonal mask, cuDNN's ragged layout (scripts/bench_kernels.py --ops attention_thd;
+    docs/long-context.md). Where flash
     cannot serve (fp32, a head dim it does not take, before sm80, q/v head dims that differ), the
     sequences go as one padded batch [n, h, L, d] through SDPA: causal self-attention as
     is_causal (a sequence's trailing padding lies after all its queries, so it is never seen);
@@ -240,54 +241,27 @@ def _compact(t, segs, lengths):
     return t.index_select(0, rows), rows
 
 
-LONG_DOCUMENT = 1024
-"""Tokens from which a document goes through SDPA on its own (cuDNN's fused attention on Hopper)
-rather than the varlen flash call: cuDNN is the faster kernel on long sequences, and one call per
-long document costs little host time. Chosen by `scripts/bench_kernels.py --ops attention_thd`."""
-
-
-def _varlen(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_size, long_document=None):
-    """Self-attention documents of at least `long_document` tokens (no window) one by one through
-    SDPA, the rest in one varlen flash call; the outputs scattered back to their rows."""
-    long_document = LONG_DOCUMENT if long_document is None else long_document
+def _varlen(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_size):
+    """One varlen flash call over the live sequences (gathered where they do not lie back to back
+    from row 0), the output scattered back to their rows; padding rows and empty sequences get 0."""
     live = [i for i in range(len(segs_q)) if segs_q[i][1] and segs_kv[i][1]]
     if not live:
         return q.new_zeros(q.shape) + 0 * (q.sum() + k.sum() + v.sum())
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    long = [] if window_size is not None else [i for i in live
-                                               if segs_q[i] == segs_kv[i] and segs_q[i][1] >= long_document]
-    short = [i for i in live if i not in set(long)]
-    pieces, rows = [], []
-    if long:
-        report.ran("attention_thd", "cuda.sdpa.per_long_document")
-        gqa = k.size(1) != q.size(1)
-        for i in long:
-            start, n = segs_q[i]
-            q4, k4, v4 = (t[start:start + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            pieces.append(_sdpa(q4, k4, v4, dropout_p=dropout_p, is_causal=causal, scale=scale,
-                                enable_gqa=gqa)[0].transpose(0, 1))
-            rows.append((start, n))
-    if short:
-        report.ran("attention_thd", "cuda.flash.varlen")
-        sq, skv = [segs_q[i] for i in short], [segs_kv[i] for i in short]
-        len_q, len_k = [n for _, n in sq], [n for _, n in skv]
-        qc, rows_q = _compact(q, sq, len_q)
-        kc, rows_k = _compact(k, skv, len_k)
-        vc = v[:kc.size(0)] if rows_k is None else v.index_select(0, rows_k)
-        cu_q = torch.tensor([0] + list(itertools.accumulate(len_q)), dtype=torch.int32).to(q.device)
-        cu_k = torch.tensor([0] + list(itertools.accumulate(len_k)), dtype=torch.int32).to(q.device)
-        left, right = (None, None) if window_size is None else (int(window_size[0]), int(window_size[1]))
-        pieces.append(_FlashVarlen.apply(qc, kc, vc, cu_q, cu_k, max(len_q), max(len_k), causal, scale, dropout_p,
-                                         left, right))
-        rows.extend(sq)
-    out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]      # rows in the order of `rows`
-    at = 0
-    for start, n in rows:
-        if start != at:        # not back to back from row 0: scatter
-            index = torch.cat([torch.arange(start, start + n) for start, n in rows]).to(q.device)
-            return q.new_zeros(q.shape).index_copy(0, index, out)
-        at += n
-    return out if at == q.size(0) else torch.cat([out, out.new_zeros((q.size(0) - at,) + tuple(out.shape[1:]))])
+    report.ran("attention_thd", "cuda.flash.varlen")
+    sq, skv = [segs_q[i] for i in live], [segs_kv[i] for i in live]
+    len_q, len_k = [n for _, n in sq], [n for _, n in skv]
+    qc, rows_q = _compact(q, sq, len_q)
+    kc, rows_k = _compact(k, skv, len_k)
+    vc = v[:kc.size(0)] if rows_k is None else v.index_select(0, rows_k)
+    cu_q = torch.tensor([0] + list(itertools.accumulate(len_q)), dtype=torch.int32).to(q.device)
+    cu_k = torch.tensor([0] + list(itertools.accumulate(len_k)), dtype=torch.int32).to(q.device)
+    left, right = (None, None) if window_size is None else (int(window_size[0]), int(window_size[1]))
+    out = _FlashVarlen.apply(qc, kc, vc, cu_q, cu_k, max(len_q), max(len_k), causal, scale, dropout_p, left, right)
+    if rows_q is not None:
+        return q.new_zeros(q.shape).index_copy(0, rows_q, out)
+    n = out.size(0)
+    return out if n == q.size(0) else torch.cat([out, out.new_zeros((q.size(0) - n,) + tuple(out.shape[1:]))])
 
 
 def _per_sequence(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_size):
