@@ -19,7 +19,7 @@ Flags beyond the tiny model's, all Megatron's own:
 - core_v0.16.1 only: `--legacy-tokenizer` (its new tokenizer builder has no SFTTokenizer).
 
 One process at CP=1, two at CP=2 (p2p and a2a): the same global batch of 8 packs, 10 steps,
-max |Δloss| <= 2e-3. Each launch ~20-40 s on two CPU cores. Needs MEGATRON_LM_PATH (a checkout with
+max |Δloss| <= 2e-3. TP=2 (core_v0.19 only) trains. Each launch ~20-40 s on two CPU cores. Needs MEGATRON_LM_PATH (a checkout with
 --sft: core_v0.16.1 or core_v0.19.0), transformers (< 5 for core_v0.16.1), tokenizers, datasets.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ import pytest
 from packaging.version import Version
 
 import test_pretrain_gpt as base
+from megatron_checkout import checkout_version
 from sft_data import write_conversations, write_tokenizer
 from test_pretrain_gpt import LLAMA, LM, NEEDS_CHECKOUT, NOT_IMPORTED_BY_GPT, assert_loss_falls, assert_patched  # noqa: F401
 
@@ -99,13 +100,13 @@ def inputs(tmp_path_factory):
 _runs = {}
 
 
-def run(name, inputs, tmp_path_factory, cp=1, *extra):
+def run(name, inputs, tmp_path_factory, cp=1, *extra, nproc=None):
     if name not in _runs:
         tmp = tmp_path_factory.mktemp(name)
         env = {"MEGATRON_ADAPT_REPORT": str(tmp / "report.json"), "HF_HOME": str(tmp / "hf"),
                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         r = base.launch("pretrain_gpt.py", [*sft_args(inputs), "--context-parallel-size", str(cp), *extra], tmp,
-                        name, env=env, nproc=cp)
+                        name, env=env, nproc=nproc or cp)
         r.report = tmp / "report.json"
         _runs[name] = r
     return _runs[name]
@@ -150,3 +151,20 @@ def test_sft_cp2_matches_cp1(inputs, tmp_path_factory, comm):
     splits = {"megatron.core.utils:get_thd_batch_on_this_cp_rank",
               "megatron.core.utils:_get_batch_on_this_cp_rank_per_document_balancing"}
     assert len(splits & applied(cp)) == 1, applied(cp)
+
+
+def test_sft_tp2_trains_on_attention_thd(inputs, tmp_path_factory):
+    """TP=2 (2 processes): the packed batch and its cu_seqlens reach the second TP rank through
+    Megatron's broadcast. Not compared with TP=1: the vocabulary pads to 256 instead of 128 and the
+    weights are drawn per partition, so the runs start from different models."""
+    version = checkout_version(LM)
+    if version is None or version < Version("0.19"):
+        pytest.skip(f"Megatron-LM {version}: core_v0.16.1's get_batch_on_this_tp_rank breaks --sft at TP > 1 "
+                    "(the receiving ranks broadcast cu_seqlens twice and drop max_seqlen), on any hardware; "
+                    "run on core_v0.19")
+    r = run("sft_tp2", inputs, tmp_path_factory, 1, "--tensor-model-parallel-size", "2", nproc=2).check()
+    assert sorted(r.losses) == list(range(1, ITERS + 1)), r.losses
+    assert all(math.isfinite(v) for v in r.losses.values()), r.losses
+    assert_loss_falls(r)
+    got = ops(r)
+    assert got.get("attention_thd") == {"cpu.torch.sdpa.per_sequence": LAYERS * ITERS * GLOBAL_BATCH}, got
