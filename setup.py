@@ -29,7 +29,8 @@ setup(
     install_requires=["torch>=2.4", "wrapt>=1.15", "packaging"],
     extras_require={
         "megatron": ["megatron-core>=0.15.0,<0.20"] + MEGATRON_LM_RUNTIME,
-        "test": ["pytest>=7", "pytest-mock", "mock", "megatron-core>=0.15.0,<0.20", "triton", "numpy", "liger-kernel", "matplotlib"] + MEGATRON_LM_RUNTIME + SFT_RUNTIME,
+        "test": ["pytest>=7", "pytest-mock", "mock", "megatron-core>=0.15.0,<0.20", "triton", "numpy", "liger-kernel", "matplotlib"] + MEGATRON_LM_RUNTIME,
+        "sft": SFT_RUNTIME,  # only the --sft stock-script tests need them (they skip without)
         "cuda": ["triton>=3.0"],
         "liger": ["liger-kernel"],  # candidates the cuda backend uses where they measure faster
         "flash_attn": ["flash-attn-4[cu13]>=4.0.0b36"],  # FlashAttention-4 (CuTe DSL), same rule

@@ -68,7 +68,7 @@ def _transformers_too_new() -> str | None:
 pytestmark = [
     *base.pytestmark,
     pytest.mark.skipif(bool(LM) and not HAS_SFT, reason=f"MEGATRON_LM_PATH={LM} has no --sft (core_v0.16+)"),
-    pytest.mark.skipif(bool(MISSING), reason=f"--sft needs {', '.join(MISSING)} (pip install -e .[test])"),
+    pytest.mark.skipif(bool(MISSING), reason=f"--sft needs {', '.join(MISSING)} (pip install -e .[test,sft])"),
     pytest.mark.skipif(_transformers_too_new() is not None, reason=str(_transformers_too_new())),
 ]
 
