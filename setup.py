@@ -14,6 +14,9 @@ PACKAGES = {
 
 # The Megatron-LM training code imports these at start-up but megatron-core does not declare them.
 MEGATRON_LM_RUNTIME = ["six", "regex", "pyyaml", "pydantic", "psutil", "einops"]
+# pretrain_gpt.py --sft (tests/megatron_lm/test_pretrain_gpt_sft.py): SFTTokenizer loads an HF tokenizer,
+# SFTDataset reads jsonl through `datasets`; core_v0.16's SFTTokenizer reads transformers 4's return types.
+SFT_RUNTIME = ["transformers<5", "datasets"]
 
 setup(
     name="megatron-adapt",
@@ -27,6 +30,7 @@ setup(
     extras_require={
         "megatron": ["megatron-core>=0.15.0,<0.20"] + MEGATRON_LM_RUNTIME,
         "test": ["pytest>=7", "pytest-mock", "mock", "megatron-core>=0.15.0,<0.20", "triton", "numpy", "liger-kernel", "matplotlib"] + MEGATRON_LM_RUNTIME,
+        "sft": SFT_RUNTIME,  # only the --sft stock-script tests need them (they skip without)
         "cuda": ["triton>=3.0"],
         "liger": ["liger-kernel"],  # candidates the cuda backend uses where they measure faster
         "flash_attn": ["flash-attn-4[cu13]>=4.0.0b36"],  # FlashAttention-4 (CuTe DSL), same rule

@@ -22,8 +22,9 @@ batch row with several documents.
 Attention dropout: masks drawn from one seed per call and rank (the ring's blocks from seed +
 step), so the backward draws them again.
 
-Scores are materialised per block of (local queries x one rank's keys) in fp32: this serves the cpu
-backend and checks the algorithms; GPU kernels would run the blocks fused.
+Scores are materialised per block of (local queries x one rank's keys) in fp32 (MathBlocks): this
+serves the cpu backend and checks the algorithms. A backend may pass fused block kernels (`blocks`,
+the cuda backend's flash blocks); the ring, the merges and the collectives stay here.
 """
 from __future__ import annotations
 
@@ -205,21 +206,33 @@ def _block_bwd(q, k, v, ok, scale, out, dout, lse, drop=None):
     return dq, _reduce_heads(dk, hkv), _reduce_heads(dv, hkv)
 
 
+class MathBlocks:
+    """The ring's blocks in torch math (scores materialised in fp32): any visibility pattern,
+    dropout. A backend may pass its own object with the same two functions (fused kernels)."""
+    fwd = staticmethod(_block_fwd)
+    bwd = staticmethod(_block_bwd)
+
+
 def _shift(tensors, group):
-    """Send to the next rank of the group, receive from the previous one."""
+    """Send to the next rank of the group, receive from the previous one: every send and receive
+    of a step in one batch_isend_irecv (one NCCL group call, as Megatron's own p2p does; sends and
+    receives issued one by one failed on two H100s with an illegal memory access), the send
+    buffers held until the batch completes."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     nxt, prv = dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
+    sends = [t.contiguous() for t in tensors]
     bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    works = [dist.isend(t.contiguous(), nxt, group=group) for t in tensors]
-    works += [dist.irecv(b, prv, group=group) for b in bufs]
-    for w in works:
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in sends]
+    ops += [dist.P2POp(dist.irecv, b, prv, group) for b in bufs]
+    for w in dist.batch_isend_irecv(ops):
         w.wait()
+    del sends
     return bufs
 
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, qpos, qdoc, kpos, kdoc, causal, scale, window_size, group, dropout_p, seed):
+    def forward(ctx, q, k, v, qpos, qdoc, kpos, kdoc, causal, scale, window_size, group, dropout_p, seed, blocks):
         size = dist.get_world_size(group)
         out = lse = None
         cur = [k, v, kpos, kdoc]
@@ -227,7 +240,7 @@ class _Ring(torch.autograd.Function):
         for step in range(size):
             ok = visible(qpos, qdoc, cur[2], cur[3], causal, window_size)
             if ok.any():
-                out, lse = _merge(out, lse, *_block_fwd(q, cur[0], cur[1], ok, scale, drop(step)))
+                out, lse = _merge(out, lse, *blocks.fwd(q, cur[0], cur[1], ok, scale, drop(step)))
             if step < size - 1:
                 cur = _shift(cur, group)
         if out is None:
@@ -235,6 +248,7 @@ class _Ring(torch.autograd.Function):
             lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
         ctx.save_for_backward(q, k, v, qpos, qdoc, kpos, kdoc, out, lse)
         ctx.causal, ctx.scale, ctx.window, ctx.group, ctx.drop = causal, scale, window_size, group, drop
+        ctx.blocks = blocks
         return out.to(q.dtype)
 
     @staticmethod
@@ -247,7 +261,7 @@ class _Ring(torch.autograd.Function):
         for step in range(size):
             ok = visible(qpos, qdoc, cur[2], cur[3], ctx.causal, ctx.window)
             if ok.any():
-                gq, gk, gv = _block_bwd(q, cur[0], cur[1], ok, ctx.scale, out, dout, lse, ctx.drop(step))
+                gq, gk, gv = ctx.blocks.bwd(q, cur[0], cur[1], ok, ctx.scale, out, dout, lse, ctx.drop(step))
                 dq += gq
                 cur[4] += gk
                 cur[5] += gv
@@ -257,7 +271,25 @@ class _Ring(torch.autograd.Function):
                 cur = _shift(cur, ctx.group)
             elif size > 1:
                 cur = cur[:4] + _shift(cur[4:], ctx.group)
-        return (dq.to(q.dtype), cur[4].to(k.dtype), cur[5].to(v.dtype)) + (None,) * 10
+        return (dq.to(q.dtype), cur[4].to(k.dtype), cur[5].to(v.dtype)) + (None,) * 11
+
+
+class _Local(torch.autograd.Function):
+    """Attention of local queries over keys already gathered (allgather, a2a) through a backend's
+    block kernels: one block, the ring's forward and backward without the ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ok, scale, blocks):
+        out, lse = blocks.fwd(q, k, v, ok, scale, None)
+        ctx.save_for_backward(q, k, v, ok, out, lse)
+        ctx.scale, ctx.blocks = scale, blocks
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, ok, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.blocks.bwd(q, k, v, ok, ctx.scale, out, dout.float(), lse, None)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 # ----------------------------------------------------------------------------- collectives with autograd
@@ -327,11 +359,13 @@ def check(comm_type, hq, hkv, group_sizes):
     return None
 
 
-def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type, dropout_p=0.0):
+def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type, dropout_p=0.0, blocks=None):
     """q [b, hq, s, d], k/v [b, hkv, s, d(v)]: this rank's tokens; pos/doc [b, s] int64 as in the
     module docstring; groups: one process group, or [a2a group, p2p group] for a2a+p2p; dropout on
     the attention probabilities with masks drawn from one seed per call (the device's default
-    generator). -> out [b, hq, s, dv] in q's dtype."""
+    generator); blocks: the ring's block kernels (MathBlocks by default). -> out [b, hq, s, dv] in
+    q's dtype."""
+    blocks = blocks or MathBlocks
     group_list = list(groups) if isinstance(groups, (list, tuple)) else [groups]
     why = check(comm_type, q.size(1), k.size(1), [dist.get_world_size(g) for g in group_list])
     if why:
@@ -339,17 +373,25 @@ def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_typ
     pos, doc = pos.long(), doc.long()
     seed = _dropout_seed(dropout_p, q.device)
     if comm_type == "p2p":
-        return _Ring.apply(q, k, v, pos, doc, pos, doc, causal, scale, window_size, group_list[0], dropout_p, seed)
+        return _Ring.apply(q, k, v, pos, doc, pos, doc, causal, scale, window_size, group_list[0], dropout_p, seed,
+                           blocks)
     if comm_type == "allgather":
         g = group_list[0]
         kf, vf = _AllGatherSeq.apply(k, g), _AllGatherSeq.apply(v, g)
         ok = visible(pos, doc, _gather_meta(pos, g), _gather_meta(doc, g), causal, window_size)
+        if blocks is not MathBlocks and seed is None:
+            return _Local.apply(q, kf, vf, ok, scale, blocks)
         return masked_attention(q, kf, vf, ok, scale, dropout_p, seed)
     a2a = group_list[0]
     qa, ka, va = (_AllToAll.apply(t, a2a, True) for t in (q, k, v))
     pa, da = _gather_meta(pos, a2a), _gather_meta(doc, a2a)
     if comm_type == "a2a":
-        out = masked_attention(qa, ka, va, visible(pa, da, pa, da, causal, window_size), scale, dropout_p, seed)
+        ok = visible(pa, da, pa, da, causal, window_size)
+        if blocks is not MathBlocks and seed is None:
+            out = _Local.apply(qa, ka, va, ok, scale, blocks)
+        else:
+            out = masked_attention(qa, ka, va, ok, scale, dropout_p, seed)
     else:
-        out = _Ring.apply(qa, ka, va, pa, da, pa, da, causal, scale, window_size, group_list[1], dropout_p, seed)
+        out = _Ring.apply(qa, ka, va, pa, da, pa, da, causal, scale, window_size, group_list[1], dropout_p, seed,
+                          blocks)
     return _AllToAll.apply(out, a2a, False)

@@ -247,9 +247,22 @@ start_checks.register(AREA, "cp_comm_type", from_args=comm_type_refusal,
 
 
 # ----------------------------------------------------------------------------- THD batches under CP
+def _flat(cu):
+    """(1, n) offsets -> (n,); 1-D ones (and None) as they are."""
+    return cu.view(-1) if cu is not None and cu.dim() > 1 else cu
+
+
 def build_thd_batch(backend, original):
-    """megatron.core.utils.get_thd_batch_on_this_cp_rank (core 0.15-0.16), whose CP split calls
-    TE's tex.thd_get_partitioned_indices: the same, with megatron-adapt's indices."""
+    """megatron.core.utils.get_thd_batch_on_this_cp_rank (core 0.16-0.17), whose CP split calls
+    TE's tex.thd_get_partitioned_indices: the same, with megatron-adapt's indices.
+
+    Two things differ, both for core 0.16's `pretrain_gpt.py --sft`: (1) on tensor-parallel rank 0
+    its get_batch_on_this_tp_rank keeps the collate's batch dimension, so cu_seqlens comes as
+    [1, n + 1] (micro-batch-size must be 1 for packing; the other TP ranks receive it flat):
+    flattened here, as every consumer (attention, RoPE, TE's kernels) reads 1-D offsets. (2) It
+    passes no cu_seqlens_padded (Megatron's own split would hand TE None): SFTDataset pads each
+    conversation to a multiple of 2·CP, so under CP cu_seqlens are the slots split, as core 0.19's
+    per-document split does when cu_seqlens_padded is None."""
 
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -258,6 +271,7 @@ def build_thd_batch(backend, original):
 
     def get_thd_batch_on_this_cp_rank(batch, cu_seqlens, cu_seqlens_padded, max_seqlen, cp_size=None,
                                       cp_rank=None):
+        cu_seqlens, cu_seqlens_padded = _flat(cu_seqlens), _flat(cu_seqlens_padded)
         packed_seq_params = PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
             cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
@@ -265,7 +279,8 @@ def build_thd_batch(backend, original):
         cp_size = parallel_state.get_context_parallel_world_size() if cp_size is None else cp_size
         cp_rank = parallel_state.get_context_parallel_rank() if cp_rank is None else cp_rank
         if cp_size > 1:
-            index = cp.thd_partitioned_indices(cu_seqlens_padded, batch["tokens"].size(1), cp_size, cp_rank)
+            slots = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
+            index = cp.thd_partitioned_indices(slots, batch["tokens"].size(1), cp_size, cp_rank)
             for key, data in batch.items():
                 if key in {"attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen"}:
                     continue

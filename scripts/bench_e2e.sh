@@ -33,6 +33,7 @@
 #      fused attention kernel's own Philox stream in (b), as with TE -- so their curves part ways
 #      in the steep first iterations)
 #      FP8_RECIPE [tensorwise]: tensorwise | delayed, FP8_FORMAT [hybrid]: hybrid | e4m3, for the fp8 runs;
+#      MASTER_PORT [29561]: torchrun's port (two runs at once on two GPUs need two)
 #      FP8_ARGS [""]: more fp8 flags for them (e.g. "--fp8-amax-history-len 1024 --fp8-amax-compute-algo max")
 #      e.g. RUNS="adapt adapt_fp8" FP8_RECIPE=delayed scripts/bench_e2e.sh OUT
 set -euo pipefail
@@ -79,7 +80,7 @@ FULL_GRAPH=(--cuda-graph-impl local --cuda-graph-scope full_iteration --no-check
 read -r -a FP8_EXTRA <<< "${FP8_ARGS:-}"
 FP8=(--fp8-format "${FP8_FORMAT:-hybrid}" --fp8-recipe "${FP8_RECIPE:-tensorwise}" "${FP8_EXTRA[@]}")
 if command -v megatron-adapt-run >/dev/null; then ADAPT=(megatron-adapt-run); else ADAPT=(python3 -m megatron_adapt.launcher); fi
-TORCHRUN=(python3 -m torch.distributed.run --nproc-per-node 1 --master-port 29561)
+TORCHRUN=(python3 -m torch.distributed.run --nproc-per-node 1 --master-port "${MASTER_PORT:-29561}")
 
 echo "$(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) vCPU" > "$OUTDIR/host_cpu.txt" || true
 nvidia-smi --query-gpu=name --format=csv,noheader -i 0 > "$OUTDIR/gpu.txt" 2>/dev/null || true

@@ -393,9 +393,13 @@ def bench_attention_thd(be, args, dev, h=16, d=128, n_docs=8):
     """Packed (thd) attention, issue 22: 8 documents of random lengths summing to --thd-tokens, 16
     heads, d128, bf16, causal within each document. TFLOP/s count only the within-document work
     (sum of L_i^2 / 2), so every row is comparable with the dense causal row at the same total
-    length (which counts T^2 / 2): ours (the op: one padded batch through SDPA), one SDPA call
-    per document, dense SDPA under the block-diagonal causal mask, and dense causal SDPA."""
+    length (which counts T^2 / 2). Rows: ours (the op: torch's varlen flash kernel), the same
+    op's padded-batch path (one [n, h, L, d] SDPA call), cuDNN's ragged attention through aten
+    (forward and backward where this torch has its derivative), one SDPA call per document, dense
+    SDPA under the block-diagonal causal mask, and our dense causal attention at the same T.
+    Each row's output is checked against ours (max |diff| in the note)."""
     from megatron_adapt import report
+    from megatron_adapt.backends.cuda import attention as cuda_attention
     total = args.thd_tokens
     lengths = thd_lengths(n_docs, total)
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=dev)
@@ -406,30 +410,55 @@ def bench_attention_thd(be, args, dev, h=16, d=128, n_docs=8):
     shape = f"T{total} docs {lengths} h{h} d{d} bf16"
     op = be.op("attention_thd")
     report.reset_op_counts()
-    op(q, k, v, cu, cu, causal=True)
+    with torch.no_grad():
+        ref = op(q, k, v, cu, cu, causal=True).float()
     path = ",".join(report.op_counts().get("attention_thd", {}))
+
+    def diff(fn):
+        try:
+            with torch.no_grad():
+                return f"max|diff| vs ours {(fn().float() - ref).abs().max().item():.2e}"
+        except Exception as e:
+            return f"forward failed: {type(e).__name__}"
     record("attention_thd", shape, "ours", fwd_bwd(lambda: op(q, k, v, cu, cu, causal=True), [q, k, v], dy),
            flops=doc_flops, note=path)
+    segs = [(int(a), n) for a, n in zip(cu[:-1].tolist(), lengths)]
+    padded = lambda: cuda_attention._padded_batch(q, k, v, segs, segs, True, None, 0.0, None)
+    record("attention_thd", shape, "ours_padded_batch", fwd_bwd(padded, [q, k, v], dy), flops=doc_flops,
+           note=diff(padded))
+    cudnn = getattr(torch.ops.aten, "_cudnn_attention_forward", None)
+    if cudnn is not None:
+        ragged = lambda: cudnn(q, k, v, None, cu, cu, max(lengths), max(lengths), True, 0.0, True, False)[0]
+        note = diff(ragged)
+        record("attention_thd", shape, "cudnn_ragged_aten", fwd_bwd(ragged, [q, k, v], dy), flops=doc_flops,
+               note=note)
 
     def per_document():
         outs, at = [], 0
         for n in lengths:
             sl = slice(at, at + n)
-            outs.append(F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1),
-                                                       v[sl].transpose(0, 1), is_causal=True).transpose(0, 1))
+            outs.append(F.scaled_dot_product_attention(q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None],
+                                                       v[sl].transpose(0, 1)[None], is_causal=True)[0].transpose(0, 1))
             at += n
         return torch.cat(outs)
-    record("attention_thd", shape, "sdpa_per_document", fwd_bwd(per_document, [q, k, v], dy), flops=doc_flops)
+    record("attention_thd", shape, "sdpa_per_document", fwd_bwd(per_document, [q, k, v], dy), flops=doc_flops,
+           note=diff(per_document))
     doc = torch.repeat_interleave(torch.arange(n_docs, device=dev), torch.tensor(lengths, device=dev))
     keep = (doc[:, None] == doc[None, :]) & torch.ones(total, total, dtype=torch.bool, device=dev).tril()
     dense = (lambda **kw: F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), **kw)
              [0].transpose(0, 1))
     record("attention_thd", shape, "sdpa_block_diagonal_mask",
            fwd_bwd(lambda: dense(attn_mask=keep), [q, k, v], dy),
-           flops=doc_flops, note="dense scores under the document mask")
-    record("attention_thd", shape, "dense_causal_same_T",
-           fwd_bwd(lambda: dense(is_causal=True), [q, k, v], dy),
-           flops=dense_flops, note="the target: THD >= 80% of this TFLOP/s")
+           flops=doc_flops, note="dense scores under the document mask; " + diff(lambda: dense(attn_mask=keep)))
+    attention = be.op("attention")
+    ours_dense = lambda: attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), None, True)[0].transpose(0, 1)
+    report.reset_op_counts()
+    with torch.no_grad():
+        ours_dense()
+    dense_path = ",".join(report.op_counts().get("attention", {}))
+    record("attention_thd", shape, "dense_causal_same_T", fwd_bwd(ours_dense, [q, k, v], dy),
+           flops=dense_flops, note=f"our attention op ({dense_path}), causal over all T: the target is "
+                                  "THD >= 80% of this TFLOP/s")
 
 
 def bench_adam(be, args, dev):

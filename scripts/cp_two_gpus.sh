@@ -6,10 +6,10 @@
 #                   (a2a+p2p adds --hierarchical-context-parallel-sizes 2 1)
 # and prints, per CP run, the largest |Δ lm loss| against cp1 over the ITERS steps (PASS at <= TOL)
 # and which attention_cp implementation ran (from the run's MEGATRON_ADAPT_REPORT json).
-# On cuda the CP blocks run in torch math with the scores materialised (backends/context_parallel.py),
-# reported as a fallback: this checks correctness over NCCL, it is not a speed run.
-# Not run where it was written (no 2-GPU machine was lent); tests/megatron_lm/test_pretrain_gpt_cp.py
-# is the same comparison on the cpu backend over gloo.
+# In fp32 (the default here) the CP blocks run in torch math (the flash kernels take bf16 / fp16),
+# reported as a fallback; with EXTRA_ARGS="--bf16" (and a looser TOL) they run as flash pieces
+# (cuda.flash_blocks.<type>). This checks correctness over NCCL, it is not a speed run.
+# tests/megatron_lm/test_pretrain_gpt_cp.py is the same comparison on the cpu backend over gloo.
 # Usage: MEGATRON_LM_PATH=/path/to/Megatron-LM scripts/cp_two_gpus.sh OUTDIR
 # Env: ITERS [10] SEQ [4096] TOL [2e-3] CP_TYPES ["p2p a2a allgather a2a+p2p"] EXTRA_ARGS [""]
 set -euo pipefail

@@ -10,6 +10,8 @@ measures faster and agrees (providers.py). Which backend will serve a call is pr
 once per signature with torch.backends.cuda.can_use_* and reported; the math path (it
 materialises the scores) is reported as a fallback.
 """
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -141,15 +143,28 @@ def _padded_index(segs, device):
 
 def attention_thd(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
                   causal=True, scale=None, dropout_p=0.0, window_size=None):
-    """Packed sequences as one padded batch [n, h, L, d] through SDPA: causal self-attention goes as
-    is_causal (a sequence's trailing padding lies after all its queries, so it is never seen: the
-    flash / cuDNN kernels serve it); windows and non-causal calls add a key-padding mask. Sequences
-    whose q and kv lengths differ go one by one through `attention`."""
+    """Packed sequences on the GPU go through torch's variable-length flash kernel in one call
+    (cu_seqlens in, only the within-document work done, GQA and windows native), chosen by
+    measurement against the other layouts: per-document cuDNN SDPA, a padded batch, a dense
+    block-diagonal mask, cuDNN's ragged layout (scripts/bench_kernels.py --ops attention_thd;
+    docs/long-context.md). Where flash
+    cannot serve (fp32, a head dim it does not take, before sm80, q/v head dims that differ), the
+    sequences go as one padded batch [n, h, L, d] through SDPA: causal self-attention as
+    is_causal (a sequence's trailing padding lies after all its queries, so it is never seen);
+    windows and non-causal calls add a key-padding mask. Sequences whose q and kv lengths differ
+    go one by one through `attention` on that path."""
     reference.check_thd(q, k, v)
     segs_q = reference.thd_segments(cu_seqlens_q, cu_seqlens_q_padded, q.size(0), "cu_seqlens_q")
     segs_kv = reference.thd_segments(cu_seqlens_kv, cu_seqlens_kv_padded, k.size(0), "cu_seqlens_kv")
     if len(segs_q) != len(segs_kv):
         raise ValueError(f"cu_seqlens_q has {len(segs_q)} sequences, cu_seqlens_kv {len(segs_kv)}")
+    why_not = _varlen_why_not(q, k, v)
+    if why_not is None:
+        return _varlen(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_size)
+    return _padded_batch(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_size)
+
+
+def _padded_batch(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_size):
     keep = [i for i, (_, length) in enumerate(segs_q) if length]
     if any(segs_q[i][1] != segs_kv[i][1] for i in range(len(segs_q))):
         report.ran("attention_thd", "cuda.sdpa.per_sequence")
@@ -174,6 +189,81 @@ def attention_thd(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded=None
     return out.index_copy(0, iq[valid], ob[valid])
 
 
+_FLASH_VARLEN = getattr(torch.ops.aten, "_flash_attention_forward", None)
+
+
+def _varlen_why_not(q, k, v):
+    """None where torch's varlen flash kernel takes these inputs, else why not."""
+    if q.device.type != "cuda":
+        return "not a CUDA tensor"
+    if _FLASH_VARLEN is None:
+        return "this torch has no aten._flash_attention_forward"
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype}: flash takes fp16 / bf16"
+    d = q.size(-1)
+    if k.size(-1) != d or v.size(-1) != d or d % 8 or d > 256:
+        return f"head dims q {d}, k {k.size(-1)}, v {v.size(-1)}: flash takes one head dim, a multiple of 8, <= 256"
+    if torch.cuda.get_device_capability(q.device) < (8, 0):
+        return "flash needs sm80 or newer"
+    return None
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """aten's variable-length flash attention forward and backward (q/k/v [T, heads, d], int32
+    cumulative offsets, GQA by head counts, bottom-right causal alignment, windows)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, left, right):
+        out, lse, rng, unused, _ = _FLASH_VARLEN(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, False,
+                                                 scale=scale, window_size_left=left, window_size_right=right)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng, unused)
+        ctx.args = (max_q, max_k, dropout_p, causal, scale, left, right)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_q, cu_k, rng, unused = ctx.saved_tensors
+        max_q, max_k, dropout_p, causal, scale, left, right = ctx.args
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, rng, unused,
+            scale=scale, window_size_left=left, window_size_right=right)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+def _compact(t, segs, lengths):
+    """The rows of the sequences, back to back: a leading slice of t where they already lie so,
+    else gathered; with the gather's row index (None for a slice)."""
+    starts = [s for s, _ in segs]
+    n = sum(lengths)
+    if starts[0] == 0 and all(starts[i + 1] == starts[i] + lengths[i] for i in range(len(starts) - 1)):
+        return (t if n == t.size(0) else t[:n]), None
+    rows = torch.cat([torch.arange(s, s + length) for s, length in zip(starts, lengths)]).to(t.device)
+    return t.index_select(0, rows), rows
+
+
+def _varlen(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_size):
+    """One varlen flash call over the live sequences (gathered where they do not lie back to back
+    from row 0), the output scattered back to their rows; padding rows and empty sequences get 0."""
+    live = [i for i in range(len(segs_q)) if segs_q[i][1] and segs_kv[i][1]]
+    if not live:
+        return q.new_zeros(q.shape) + 0 * (q.sum() + k.sum() + v.sum())
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    report.ran("attention_thd", "cuda.flash.varlen")
+    sq, skv = [segs_q[i] for i in live], [segs_kv[i] for i in live]
+    len_q, len_k = [n for _, n in sq], [n for _, n in skv]
+    qc, rows_q = _compact(q, sq, len_q)
+    kc, rows_k = _compact(k, skv, len_k)
+    vc = v[:kc.size(0)] if rows_k is None else v.index_select(0, rows_k)
+    cu_q = torch.tensor([0] + list(itertools.accumulate(len_q)), dtype=torch.int32).to(q.device)
+    cu_k = torch.tensor([0] + list(itertools.accumulate(len_k)), dtype=torch.int32).to(q.device)
+    left, right = (None, None) if window_size is None else (int(window_size[0]), int(window_size[1]))
+    out = _FlashVarlen.apply(qc, kc, vc, cu_q, cu_k, max(len_q), max(len_k), causal, scale, dropout_p, left, right)
+    if rows_q is not None:
+        return q.new_zeros(q.shape).index_copy(0, rows_q, out)
+    n = out.size(0)
+    return out if n == q.size(0) else torch.cat([out, out.new_zeros((q.size(0) - n,) + tuple(out.shape[1:]))])
+
+
 def _per_sequence(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_size):
     out = q.new_zeros(q.size(0), q.size(1), v.size(-1))
     rows, pieces = [], []
@@ -188,11 +278,170 @@ def _per_sequence(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_siz
     return out.index_copy(0, torch.cat(rows).to(q.device), torch.cat(pieces))
 
 
+# ---- context parallelism: the ring's blocks through the flash kernels ---------------------------------
+_FLASH_BWD = getattr(torch.ops.aten, "_flash_attention_backward", None)
+_TRIL: dict = {}
+_NO_DROPOUT_RNG: dict = {}    # device -> (rng_state, unused) of a forward without dropout, for backwards
+_LSE_LAYOUT: list = []        # "hT" ([heads, total]) or "bhs" ([batch, heads, seq]): what this torch's kernel gives
+
+
+def _tril(n, device):
+    t = _TRIL.get((n, device))
+    if t is None:
+        t = _TRIL[(n, device)] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return t
+
+
+def block_pieces(ok):
+    """[(q slice, k slice, causal)] that cover the visible part of a ring block ok [b, 1, sq, sk],
+    each all visible or causal (lower-triangular over equal lengths), or None where the block has no
+    such cover (windows, documents that end inside a chunk, a pattern that differs across the
+    batch). Tried on the whole block, then on grids of square cells of length c = min(sq, sk),
+    c / 2, c / 4, ... down to c / 16 and no less than 2 tokens (Megatron's 2·CP chunks give halves;
+    allgather's and all-to-all's gathered order finer grids, up to CP = 8); one host sync per grid."""
+    m = ok[0, 0]
+    sq, sk = m.shape
+    if not bool((ok == m).all()):
+        return None
+    grids = [(sq, sk)]
+    c = min(sq, sk)
+    smallest = max(2, c // 16)
+    while c >= smallest:
+        if sq % c == 0 and sk % c == 0 and (c, c) != (sq, sk):
+            grids.append((c, c))
+        if c % 2:
+            break
+        c //= 2
+    for cq, ck in grids:
+        nq, nk = sq // cq, sk // ck
+        cells = m.reshape(nq, cq, nk, ck).transpose(1, 2).reshape(nq, nk, cq * ck)
+        full, empty = cells.all(-1), ~cells.any(-1)
+        tril = ((cells == _tril(cq, m.device).reshape(-1)).all(-1) if cq == ck else torch.zeros_like(full))
+        full, empty, tril = torch.stack([full, empty, tril]).tolist()
+        if not all(full[i][j] or empty[i][j] or tril[i][j] for i in range(nq) for j in range(nk)):
+            continue
+        pieces = []
+        for i in range(nq):
+            qs, j = slice(i * cq, (i + 1) * cq), 0
+            while j < nk:
+                if full[i][j]:                       # a run of all-visible cells: one piece
+                    e = j
+                    while e + 1 < nk and full[i][e + 1]:
+                        e += 1
+                    pieces.append((qs, slice(j * ck, (e + 1) * ck), False))
+                    j = e + 1
+                    continue
+                if tril[i][j] and not empty[i][j]:
+                    pieces.append((qs, slice(j * ck, (j + 1) * ck), True))
+                j += 1
+        return pieces
+    return None
+
+
+def _to_tokens(x):
+    """[b, h, s, d] -> [b·s, h, d] (the varlen kernel's layout; a copy)."""
+    b, h, s_, d = x.shape
+    return x.transpose(1, 2).reshape(b * s_, h, d)
+
+
+def _from_tokens(x, b):
+    n, h, d = x.shape
+    return x.view(b, n // b, h, d).transpose(1, 2)
+
+
+def _lse_bhs(lse, b, h, sq):
+    if lse.dim() == 2:             # [h, b·sq]
+        _LSE_LAYOUT[:] = ["hT"]
+        return lse.view(h, b, sq).transpose(0, 1)
+    _LSE_LAYOUT[:] = ["bhs"]
+    return lse[:, :, :sq]
+
+
+def _lse_kernel(lse, b, h, sq):
+    if _LSE_LAYOUT == ["hT"]:
+        return lse.transpose(0, 1).reshape(h, b * sq).contiguous()
+    return lse.contiguous()
+
+
+def _flash_block_fwd(q, k, v, causal, scale):
+    """(out fp32 [b, h, sq, d], lse fp32 [b, h, sq]) of one piece: the batch rows as equal-length
+    sequences of one varlen call."""
+    b, h, sq, _ = q.shape
+    sk = k.size(2)
+    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
+    cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device)
+    out, lse, rng, unused, _ = _FLASH_VARLEN(_to_tokens(q), _to_tokens(k), _to_tokens(v), cu_q, cu_k, sq, sk, 0.0,
+                                             causal, False, scale=scale)
+    _NO_DROPOUT_RNG[q.device] = (rng, unused)
+    return _from_tokens(out, b).float(), _lse_bhs(lse, b, h, sq).float()
+
+
+def _flash_block_bwd(dout, q, k, v, out, lse, causal, scale):
+    """dq, dk, dv (fp32, k/v with their own heads) of one piece from the ring's final out / lse."""
+    b, h, sq, _ = q.shape
+    sk = k.size(2)
+    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
+    cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device)
+    rng, unused = _NO_DROPOUT_RNG[q.device]
+    dq, dk, dv = _FLASH_BWD(_to_tokens(dout.to(q.dtype)), _to_tokens(q), _to_tokens(k), _to_tokens(v),
+                            _to_tokens(out.to(q.dtype)), _lse_kernel(lse, b, h, sq), cu_q, cu_k, sq, sk, 0.0,
+                            causal, rng, unused, scale=scale)
+    return _from_tokens(dq, b).float(), _from_tokens(dk, b).float(), _from_tokens(dv, b).float()
+
+
+BLOCK_WHY = ("this block's visibility has no cover by all-visible and causal pieces (a sliding window, or "
+             "documents that end inside a chunk): it runs in torch math with its scores materialised")
+
+
+class FlashBlocks:
+    """The context-parallel ring's blocks (and allgather / a2a's one block) through the varlen flash
+    kernel: each block cut into all-visible and causal pieces (block_pieces), one flash call per
+    piece, the pieces merged by log-sum-exp; the backward runs flash's backward per piece from the
+    ring's final output and log-sum-exp. A block with no such cover, or dropout, takes the math."""
+
+    @staticmethod
+    def fwd(q, k, v, ok, scale, drop):
+        pieces = None if drop is not None else block_pieces(ok)
+        if pieces is None:
+            report.fell_back("attention_cp", "cuda.torch.block", BLOCK_WHY)
+            return context_parallel._block_fwd(q, k, v, ok, scale, drop)
+        b, hq, sq, _ = q.shape
+        out = q.new_zeros(b, hq, sq, v.size(-1), dtype=torch.float32)
+        lse = q.new_full((b, hq, sq), float("-inf"), dtype=torch.float32)
+        for qs, ks, causal in pieces:
+            o, l = _flash_block_fwd(q[:, :, qs], k[:, :, ks], v[:, :, ks], causal, scale)
+            out[:, :, qs], lse[:, :, qs] = context_parallel._merge(out[:, :, qs], lse[:, :, qs], o, l)
+        return out, lse
+
+    @staticmethod
+    def bwd(q, k, v, ok, scale, out, dout, lse, drop):
+        pieces = None if drop is not None else block_pieces(ok)
+        if pieces is None:
+            return context_parallel._block_bwd(q, k, v, ok, scale, out, dout, lse, drop)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+        for qs, ks, causal in pieces:
+            gq, gk, gv = _flash_block_bwd(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
+                                          lse[:, :, qs], causal, scale)
+            dq[:, :, qs] += gq
+            dk[:, :, ks] += gk
+            dv[:, :, ks] += gv
+        return dq, dk, dv
+
+
 CP_WHY = ("context parallelism runs its attention blocks in torch math with the scores materialised "
-          "(backends/context_parallel.py): no fused ring kernel on the cuda backend yet")
+          "(backends/context_parallel.py)")
 
 
 def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type, dropout_p=0.0):
-    report.fell_back("attention_cp", f"cuda.torch.{comm_type}", CP_WHY)
+    why = _varlen_why_not(q, k, v) or (_FLASH_BWD is None and "this torch has no aten._flash_attention_backward")
+    if not why and dropout_p:
+        why = ("attention dropout under context parallelism: the flash blocks cannot replay flash's dropout "
+               "masks in the ring's backward")
+    if not why:
+        report.ran("attention_cp", f"cuda.flash_blocks.{comm_type}")
+        return context_parallel.attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type,
+                                             dropout_p, blocks=FlashBlocks)
+    report.fell_back("attention_cp", f"cuda.torch.{comm_type}", f"{CP_WHY}: {why}")
     return context_parallel.attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type,
                                          dropout_p)

@@ -28,12 +28,14 @@ def exact_tol(ref, forward):
     """Against the fp32 emulation of the same fp8 operands. On CPU the GEMM is that emulation
     (exact to accumulation order). On a GPU the forward runs cuBLAS's fp8 GEMM with fast
     accumulation, as TE's forward does: Hopper accumulates it at reduced precision (an H100 gave
-    3.9e-4 off an fp32 sum of outputs ~0.5), so it gets 2e-3 of the output's scale; dgrad and wgrad
-    accumulate in full fp32 and differ by summation order only."""
+    3.9e-4 off an fp32 sum of outputs ~0.5), so it gets 2e-3 of the output's scale. dgrad and wgrad
+    run without fast accumulation, but Hopper's fp8 tensor cores still keep fewer accumulator bits
+    than fp32 (the limit DeepSeek-V3's report describes): an H100 gave 6.5e-5 of the scale, so they
+    get 2e-4 of it. A wrong scale or operand is off by the order of the scale itself."""
     scale = ref.abs().max().item()
     if DEV == "cpu":
         return dict(rtol=1e-5, atol=1e-5 * max(scale, 1e-2))
-    return dict(rtol=2e-3, atol=2e-3 * scale) if forward else dict(rtol=1e-5, atol=1e-5 * scale)
+    return dict(rtol=2e-3, atol=2e-3 * scale) if forward else dict(rtol=1e-3, atol=2e-4 * scale)
 
 
 def cast(x, scale, dtype):

@@ -1,12 +1,12 @@
-"""Packed (thd) attention on the cuda backend: the sequences as one padded batch through SDPA
-(is_causal where causal, else a key-padding mask), against full attention under an explicit
-block-diagonal mask (tests/thd_cases.py), forward and backward. On CPU tensors without a GPU
-(SDPA's CPU kernels); the flash / cuDNN paths and the speed need an H100 (scripts/bench_kernels.py)."""
+"""Packed (thd) attention on the cuda backend against full attention under an explicit
+block-diagonal mask (tests/thd_cases.py), forward and backward. On a GPU, bf16 goes through torch's
+variable-length flash kernel and fp32 as one padded batch through SDPA; without a GPU (CPU tensors,
+SDPA's CPU kernels) every case takes the padded batch. The speed is scripts/bench_kernels.py's."""
 import pytest
 import torch
 
 import thd_cases
-from _cuda_helpers import DEVICE, ran_impl, reset
+from _cuda_helpers import DEVICE, assert_close, ran_impl, reset
 from megatron_adapt.backends.cuda import attention as attn
 
 
@@ -20,7 +20,32 @@ def test_padded_batch_matches_block_diagonal_attention(case, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"{case} {name}: {m}")
-    assert all(i.startswith("cuda.sdpa.padded_batch.") for i in ran_impl("attention_thd")), ran_impl("attention_thd")
+    if DEVICE.type == "cuda" and dtype == torch.bfloat16:
+        assert ran_impl("attention_thd") == {"cuda.flash.varlen"}
+    else:
+        assert all(i.startswith("cuda.sdpa.padded_batch.") for i in ran_impl("attention_thd")), ran_impl("attention_thd")
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="torch's varlen flash kernel runs on a GPU only")
+@pytest.mark.parametrize("padded", [False, True])
+def test_flash_varlen_at_bench_shape(padded):
+    """8 documents (one of length 1), GQA 16/4 heads, d128, bf16, against one SDPA per document in fp32."""
+    reset()
+    lengths = [700, 1, 1500, 333, 64, 900, 250, 348]
+    slots = [n + (5 if padded else 0) for n in lengths]
+    total = sum(slots) + (7 if padded else 0)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(total, 16, 128, generator=g).to(DEVICE, torch.bfloat16)
+    k, v = (torch.randn(total, 4, 128, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    cu = thd_cases.cu(lengths).to(DEVICE)
+    cu_p = thd_cases.cu(slots).to(DEVICE) if padded else None
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_p, cu_seqlens_kv_padded=cu_p, causal=True)
+    got = thd_cases.grads(lambda q, k, v: attn.attention_thd(q, k, v, **kw), q, k, v)
+    from megatron_adapt.backends import reference
+    want = thd_cases.grads(lambda q, k, v: reference.attention_thd(q, k, v, **kw), q.float(), k.float(), v.float())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(a, b, torch.bfloat16, name)      # ||a - b|| / ||b|| <= 1.2e-2
+    assert ran_impl("attention_thd") == {"cuda.flash.varlen"}
 
 
 def test_q_and_kv_lengths_that_differ_go_one_sequence_at_a_time():
@@ -43,3 +68,35 @@ def test_increasing_check():
     kw["cu_seqlens_q"] = torch.tensor([0, 9, 6, 15, 18], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="non-decreasing"):
         attn.attention_thd(q, k, v, **kw)
+
+
+class _VarlenOnCpu:
+    """Stands in for aten's varlen flash kernel (GPU only) with the reference over the same
+    cumulative offsets, so the gathers, the offsets and the scatter back are checked here on
+    every case."""
+    calls = 0
+
+    @staticmethod
+    def apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, left, right):
+        from megatron_adapt.backends import reference
+        _VarlenOnCpu.calls += 1
+        assert cu_q.dtype == torch.int32 and max_q == int((cu_q[1:] - cu_q[:-1]).max())
+        assert q.size(0) == int(cu_q[-1]) and k.size(0) == int(cu_k[-1])     # compacted rows only
+        window = None if left is None else (left, right)
+        return reference.attention_thd(q, k, v, cu_q, cu_k, causal=causal, scale=scale, window_size=window)
+
+
+@pytest.mark.parametrize("case", list(thd_cases.CASES))
+def test_varlen_gather_offsets_and_scatter(monkeypatch, case):
+    monkeypatch.setattr(attn, "_FlashVarlen", _VarlenOnCpu)
+    from megatron_adapt.backends import reference
+    q, k, v, kw, truth = thd_cases.make(case, torch.float32)
+    segs_q = reference.thd_segments(kw["cu_seqlens_q"], kw["cu_seqlens_q_padded"], q.size(0))
+    segs_kv = reference.thd_segments(kw["cu_seqlens_kv"], kw["cu_seqlens_kv_padded"], k.size(0))
+    _VarlenOnCpu.calls = 0
+    got = thd_cases.grads(lambda q, k, v: attn._varlen(q, k, v, segs_q, segs_kv, kw["causal"], kw["scale"], 0.0,
+                                                       kw["window_size"]), q, k, v)
+    want = thd_cases.grads(truth, q, k, v)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"{case} {name}: {m}")
+    assert _VarlenOnCpu.calls == 1

@@ -104,8 +104,8 @@ class Run:
 
 
 def launch(script: str, args: list[str], tmp: Path, name: str, cwd: Path | None = None,
-           timeout: int = 300, env: dict | None = None, umask: int | None = None) -> Run:
-    cmd = ["megatron-adapt-run", "torchrun", "--nproc-per-node", "2", "--master-port",
+           timeout: int = 300, env: dict | None = None, umask: int | None = None, nproc: int = 2) -> Run:
+    cmd = ["megatron-adapt-run", "torchrun", "--nproc-per-node", str(nproc), "--master-port",
            str(_free_port()), os.path.join(LM, script), *args]
     proc = subprocess.run(cmd, env={**_env(), **(env or {})}, cwd=cwd or tmp, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout,

@@ -39,10 +39,11 @@ LENGTHS, SLOTS = [5, 1, 9, 3], [8, 4, 12, 4]   # slots: multiples of 2·CP = 4
 SEQ_LENGTHS = [5, 1, 9, 3, 10]                  # 28 tokens, chunks of 7: documents cut anywhere
 
 
-def _case(rank, name, layout, comm, dtype, window, groups):
+def _case(rank, name, layout, comm, dtype, window, groups, attention_cp=None):
     import thd_cases
     from megatron_adapt.backends import context_parallel as cp
-    from megatron_adapt.backends.cpu.attention import attention_cp
+    if attention_cp is None:
+        from megatron_adapt.backends.cpu.attention import attention_cp
 
     cp_size, hq, hkv, d, scale = 2, 4, 2, 8, 0.4
     g = torch.Generator().manual_seed(3)
@@ -149,8 +150,37 @@ def _worker(rank, port, q):
             res[f"dropout-{comm}"] = f"{type(exc).__name__}: {exc}"
     from megatron_adapt import report
     res["impls"] = sorted(report.op_counts().get("attention_cp", {}))
+    res.update(_flash_blocks_cases(rank, groups))
     q.put((rank, res))
     dist.destroy_process_group()
+
+
+def _flash_blocks_cases(rank, groups):
+    """The cuda backend's flash blocks (FlashBlocks: each ring block cut into all-visible and causal
+    pieces, one kernel call per piece, merged by log-sum-exp) with the kernels stood in by
+    tests/flash_standin.py, both log-sum-exp layouts: every case again, and per case how many
+    kernel calls ran and how many blocks took the math (windows, documents)."""
+    import flash_standin
+    from megatron_adapt import report
+    from megatron_adapt.backends import context_parallel as cp
+    from megatron_adapt.backends.cuda import attention as cuda_attention
+
+    cuda_attention._FLASH_VARLEN, cuda_attention._FLASH_BWD = flash_standin.forward, flash_standin.backward
+    op = lambda *a: cp.attention_cp(*a, blocks=cuda_attention.FlashBlocks)  # noqa: E731
+    res = {}
+    for layout_name in ("hT", "bhs"):
+        flash_standin.LAYOUT[:] = [layout_name]
+        for name, layout, comm, dtype, window in CASES:
+            report.reset_op_counts()
+            flash_standin.calls[0] = 0
+            key = f"flash-{layout_name}-{name}"
+            try:
+                res[key] = _case(rank, name, layout, comm, dtype, window, groups, op)
+            except Exception as exc:  # noqa: BLE001 (reported to the test)
+                res[key] = f"{type(exc).__name__}: {exc}"
+            res[key + "-calls"] = (flash_standin.calls[0],
+                                   report.op_counts().get("attention_cp", {}).get("cuda.torch.block", 0))
+    return res
 
 
 _results = {}
@@ -169,6 +199,24 @@ def test_cp_attention_matches_full_attention(name, layout, comm, dtype, window):
         err = results()[rank][name]
         assert isinstance(err, dict), err
         assert max(err.values()) <= tol, (rank, err)
+
+
+@pytest.mark.parametrize("lse_layout", ["hT", "bhs"])
+@pytest.mark.parametrize("name,layout,comm,dtype,window", CASES, ids=[c[0] for c in CASES])
+def test_flash_blocks_match_full_attention(name, layout, comm, dtype, window, lse_layout):
+    """Through the cuda backend's FlashBlocks (kernels stood in on CPU): the same bounds. SBHD
+    without a window runs every block as flash pieces; windows and THD documents (which end
+    inside chunks here) take the math for the blocks that need it."""
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for rank in (0, 1):
+        err = results()[rank][f"flash-{lse_layout}-{name}"]
+        assert isinstance(err, dict), err
+        assert max(err.values()) <= tol, (rank, err)
+        kernel_calls, math_blocks = results()[rank][f"flash-{lse_layout}-{name}-calls"]
+        if layout == "sbhd" and window is None:
+            assert kernel_calls > 0 and math_blocks == 0, (rank, kernel_calls, math_blocks)
+        if window is not None:
+            assert math_blocks > 0, (rank, kernel_calls, math_blocks)
 
 
 @pytest.mark.parametrize("comm", DROPOUT)

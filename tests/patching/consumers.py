@@ -762,12 +762,19 @@ def _():
     tokens = torch.arange(28)[None]
     batch = {"tokens": tokens.clone(), "labels": tokens.clone() + 100, "cu_seqlens": cu, "cu_seqlens_padded": cu_p,
              "max_seqlen": torch.tensor([12])}
-    if hasattr(core_utils, "get_thd_batch_on_this_cp_rank"):      # core 0.15-0.16
+    # --sft's form: SFTDataset pads each conversation to a multiple of 2·CP and gives no
+    # cu_seqlens_padded; core 0.16 hands cu_seqlens as (1, n) on TP rank 0
+    sft = {"tokens": tokens.clone(), "labels": tokens.clone() + 100, "cu_seqlens": cu_p[None],
+           "cu_seqlens_padded": None, "max_seqlen": torch.tensor([12])}
+    if hasattr(core_utils, "get_thd_batch_on_this_cp_rank"):      # core 0.16-0.17
         out, params = core_utils.get_thd_batch_on_this_cp_rank(batch, cu, cu_p, torch.tensor([12]), cp_size=2,
                                                                cp_rank=1)
+        sft_out, sft_params = core_utils.get_thd_batch_on_this_cp_rank(sft, cu_p[None], None, torch.tensor([12]),
+                                                                       cp_size=2, cp_rank=1)
         return {"tokens": out["tokens"][0].tolist(), "labels": out["labels"][0].tolist(),
                 "qkv_format": params.qkv_format, "max_seqlen": params.max_seqlen_q,
-                "padded_kept": bool(params.cu_seqlens_q_padded is cu_p)}
+                "padded_kept": bool(params.cu_seqlens_q_padded is cu_p),
+                "sft_tokens": sft_out["tokens"][0].tolist(), "sft_cu_seqlens": sft_params.cu_seqlens_q.tolist()}
 
     class Rank1Of2:   # the split reads only the group's size and rank
         def size(self):
@@ -777,7 +784,9 @@ def _():
             return 1
     batch["cu_seqlens"], batch["cu_seqlens_padded"] = cu[None], cu_p[None]   # core 0.19 keeps (1, n)
     out = core_utils._get_batch_on_this_cp_rank_per_document_balancing(batch, Rank1Of2())
+    sft_out = core_utils._get_batch_on_this_cp_rank_per_document_balancing(sft, Rank1Of2())
     return {"tokens": out["tokens"][0].tolist(), "labels": out["labels"][0].tolist(), "qkv_format": "thd",
-            "max_seqlen": 12, "padded_kept": True}
+            "max_seqlen": 12, "padded_kept": True, "sft_tokens": sft_out["tokens"][0].tolist(),
+            "sft_cu_seqlens": sft_out["cu_seqlens"].view(-1).tolist()}   # 0.19 builds PackedSeqParams later
 
 print("PROBE-JSON:" + json.dumps(results))

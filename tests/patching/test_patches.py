@@ -116,6 +116,9 @@ class TestContextParallel(PatchContract):
         assert res["tokens"] == [2, 3, 4, 5, 9, 10, 15, 16, 17, 18, 19, 20, 25, 26], res
         assert res["labels"] == [t + 100 for t in res["tokens"]]
         assert res["qkv_format"] == "thd" and res["max_seqlen"] == 12 and res["padded_kept"], res
+        # --sft's batches: cu_seqlens are the padded slots, no cu_seqlens_padded, (1, n) on core 0.16
+        assert res["sft_tokens"] == res["tokens"], res
+        assert res["sft_cu_seqlens"] == [0, 8, 12, 24, 28], res
 
 
 class TestRope(PatchContract):
