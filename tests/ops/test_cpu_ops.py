@@ -58,7 +58,6 @@ def test_layer_norm(dtype, shape):
     close(g[0], g_r[0], dtype)
 
 
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_layer_norm_param_grads_over_many_rows(dtype):
     """Weight and bias gradients sum over every row: in bf16 / fp16 they must be accumulated in
