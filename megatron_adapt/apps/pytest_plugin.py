@@ -54,6 +54,8 @@ CATEGORIES = {
     "cuda": "needs a CUDA device",
     "rounding": "compares, bit for bit or at a bf16 tolerance, two computations that round differently",
     "internals": "asserts how Megatron's own implementation computes (the backend op computes it otherwise)",
+    "precondition": "feeds input that breaks a precondition Megatron documents; megatron-adapt refuses it",
+    "memory": "needs more memory than this host has for all its ranks (cpu backend: every rank in host memory)",
 }
 
 
@@ -100,6 +102,20 @@ SKIPS: list[Skip] = [
     Skip(UT + "test_optimizer.py::test_chained_optimizer", "cuda",
          "moves optimizer state with .to('cuda') and asserts tensor.is_cuda: on the cpu backend "
          "'cuda' tensors are CPU tensors", backends=NOT_GPU),
+    Skip(UT + "transformer/test_thd_correctness.py::test_thd_format[[]b1_seq16k_mha[]]", "memory",
+         "the test's own MockCoreAttention (not megatron-adapt's) materialises fp32 scores of "
+         "4 heads x 16383 x 16383 (4.3 GB), their softmax and both gradients: ~13 GB a rank, all ranks "
+         "in host memory on cpu (2 ranks on a 23 GB host: killed by the OOM killer, core_v0.19.0). "
+         "Its sibling b1_seq3891_gqa makes the same bitwise SBHD/THD checks and runs",
+         backends=("cpu",), versions=">=0.19.0,<0.20.0"),
+    Skip(UT + "data/test_get_batch.py::test_sft_batch[[]*-[248]-*-*[]]", "precondition",
+         "CP > 1 with SFT packs documents of random lengths (create_sft_data_iterator) and no "
+         "cu_seqlens_padded, so _get_batch_on_this_cp_rank_per_document_balancing splits documents "
+         "whose length is not a multiple of 2 x CP, which its docstring forbids (\"Each document "
+         "length must be divisible by 2 * cp_size\"); TE's thd_get_partitioned_indices states it as "
+         "a device assert only, and the test checks shapes only. The backend's split raises "
+         "ValueError naming the document (core_v0.19.0, 2 ranks); CP 1 runs",
+         versions=">=0.19.0,<0.20.0"),
     # tests/unit_tests/data: vocabularies and data sets from the network or /opt/data
     Skip(UT + "data/test_preprocess_data.py::*", "download",
          "reads the GPT-2 vocab / merges from /opt/data/tokenizers (the conftest's download) or "
