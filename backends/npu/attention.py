@@ -24,6 +24,18 @@ atten_mask is None, so every sparse mode passes its mask):
     none                 atten_mask=None
 
 keep_prob = 1 - dropout_p (the kernel draws its own dropout mask). scale defaults to 1/sqrt(d).
+Context parallelism (attention_cp, NpuBlocks): the ring's blocks cut into all-visible and causal
+pieces, npu_fusion_attention per piece in layout "BNSD" (causal: sparse_mode 3 + the compressed
+mask; all-visible: no mask), lse = softmax_max[..., 0] + log(softmax_sum[..., 0]); the backward
+per piece through
+
+    npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None,
+        padding_mask=None, atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
+        attention_in=None, scale_value=1., keep_prob=1., ..., sparse_mode=0, ...)
+      -> (dq, dk, dv, dpse)   (7.3.0: + dsink)
+
+with the ring's final output as attention_in and its log-sum-exp as softmax_max (softmax_sum = 1).
+
 Outside the kernel's documented limits (dtype fp16/bf16/fp32, Dq = Dk = Dv <= 768, Nq <= 256 and a
 multiple of Nkv, windows with an unbounded side) the reference runs, reported as a fallback.
 """
