@@ -72,6 +72,30 @@ def cases():
     yield "moe_permute", (r(6, 32, dtype=bf), routing, None, 12), {}, 0.0
 
 
+def _cp_blocks(dev):
+    """The context-parallel ring's blocks (NpuBlocks: npu_fusion_attention / _grad per all-visible or
+    causal piece) at CP 2, bf16, GQA: every (rank, source) block's out, lse, dq, dk, dv against the
+    math blocks in fp32 -> the largest error relative to the largest reference value."""
+    from megatron_adapt.backends import context_parallel as cp
+    from megatron_adapt.backends.npu.attention import NpuBlocks
+
+    g = torch.Generator().manual_seed(1)
+    worst = 0.0
+    for rank in (0, 1):
+        for src in (0, 1):
+            ok = cp.visible(*cp.sbhd_meta(2, 256, 2, rank), *cp.sbhd_meta(2, 256, 2, src), True, None)
+            q, k, v = (torch.randn(2, h, 256, 64, generator=g).bfloat16() for h in (8, 2, 2))
+            out, lse = NpuBlocks.fwd(q.to(dev), k.to(dev), v.to(dev), ok.to(dev), 0.125, None)
+            w_out, w_lse = cp._block_fwd(q.float(), k.float(), v.float(), ok, 0.125)
+            dout = torch.randn(w_out.shape, generator=g)
+            got = NpuBlocks.bwd(q.to(dev), k.to(dev), v.to(dev), ok.to(dev), 0.125, w_out.to(dev), dout.to(dev),
+                                w_lse.to(dev), None)
+            want = cp._block_bwd(q.float(), k.float(), v.float(), ok, 0.125, w_out, dout, w_lse)
+            for a, b in zip((out, lse) + tuple(got), (w_out, w_lse) + tuple(want)):
+                worst = max(worst, ((a.float().cpu() - b).abs().max() / b.abs().max()).item())
+    return worst
+
+
 def _run(fn, args, kwargs, dev, dtype=None, grad=True):
     moved, leaves = [], []
     for a in args:
@@ -127,6 +151,16 @@ def main() -> int:
             impls, err, ok = [f"ERROR {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"], float("nan"), False
         failed += not ok
         rows.append((label, "; ".join(impls) or "-", f"{err:.3g}", "PASS" if ok else "FAIL"))
+    report.reset_op_counts()
+    try:
+        err = _cp_blocks(dev)
+        falls = [o["fallback_reason"] for o in report.as_dict()["ops"] if o["fallback_reason"]]
+        impl = "npu.fusion_attention_blocks" + (f" [FELL BACK: {falls[0]}]" if falls else "")
+        ok = err <= 2e-2 and not falls
+    except Exception as exc:  # noqa: BLE001
+        impl, err, ok = f"ERROR {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", float("nan"), False
+    failed += not ok
+    rows.append(("attention_cp(blocks, rel err)", impl, f"{err:.3g}", "PASS" if ok else "FAIL"))
     widths = [max(len(r[i]) for r in rows + [("op", "implementation", "max abs err", "")]) for i in range(3)]
     print(f"{'op':<{widths[0]}}  {'implementation':<{widths[1]}}  {'max abs err':>{widths[2]}}  result")
     for r in rows:

@@ -280,62 +280,11 @@ def _per_sequence(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_siz
 
 # ---- context parallelism: the ring's blocks through the flash kernels ---------------------------------
 _FLASH_BWD = getattr(torch.ops.aten, "_flash_attention_backward", None)
-_TRIL: dict = {}
 _NO_DROPOUT_RNG: dict = {}    # device -> (rng_state, unused) of a forward without dropout, for backwards
 _LSE_LAYOUT: list = []        # "hT" ([heads, total]) or "bhs" ([batch, heads, seq]): what this torch's kernel gives
 
 
-def _tril(n, device):
-    t = _TRIL.get((n, device))
-    if t is None:
-        t = _TRIL[(n, device)] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    return t
-
-
-def block_pieces(ok):
-    """[(q slice, k slice, causal)] that cover the visible part of a ring block ok [b, 1, sq, sk],
-    each all visible or causal (lower-triangular over equal lengths), or None where the block has no
-    such cover (windows, documents that end inside a chunk, a pattern that differs across the
-    batch). Tried on the whole block, then on grids of square cells of length c = min(sq, sk),
-    c / 2, c / 4, ... down to c / 16 and no less than 2 tokens (Megatron's 2·CP chunks give halves;
-    allgather's and all-to-all's gathered order finer grids, up to CP = 8); one host sync per grid."""
-    m = ok[0, 0]
-    sq, sk = m.shape
-    if not bool((ok == m).all()):
-        return None
-    grids = [(sq, sk)]
-    c = min(sq, sk)
-    smallest = max(2, c // 16)
-    while c >= smallest:
-        if sq % c == 0 and sk % c == 0 and (c, c) != (sq, sk):
-            grids.append((c, c))
-        if c % 2:
-            break
-        c //= 2
-    for cq, ck in grids:
-        nq, nk = sq // cq, sk // ck
-        cells = m.reshape(nq, cq, nk, ck).transpose(1, 2).reshape(nq, nk, cq * ck)
-        full, empty = cells.all(-1), ~cells.any(-1)
-        tril = ((cells == _tril(cq, m.device).reshape(-1)).all(-1) if cq == ck else torch.zeros_like(full))
-        full, empty, tril = torch.stack([full, empty, tril]).tolist()
-        if not all(full[i][j] or empty[i][j] or tril[i][j] for i in range(nq) for j in range(nk)):
-            continue
-        pieces = []
-        for i in range(nq):
-            qs, j = slice(i * cq, (i + 1) * cq), 0
-            while j < nk:
-                if full[i][j]:                       # a run of all-visible cells: one piece
-                    e = j
-                    while e + 1 < nk and full[i][e + 1]:
-                        e += 1
-                    pieces.append((qs, slice(j * ck, (e + 1) * ck), False))
-                    j = e + 1
-                    continue
-                if tril[i][j] and not empty[i][j]:
-                    pieces.append((qs, slice(j * ck, (j + 1) * ck), True))
-                j += 1
-        return pieces
-    return None
+block_pieces = context_parallel.block_pieces    # (moved there: the npu backend cuts its blocks the same way)
 
 
 def _to_tokens(x):

@@ -24,6 +24,18 @@ atten_mask is None, so every sparse mode passes its mask):
     none                 atten_mask=None
 
 keep_prob = 1 - dropout_p (the kernel draws its own dropout mask). scale defaults to 1/sqrt(d).
+Context parallelism (attention_cp, NpuBlocks): the ring's blocks cut into all-visible and causal
+pieces, npu_fusion_attention per piece in layout "BNSD" (causal: sparse_mode 3 + the compressed
+mask; all-visible: no mask), lse = softmax_max[..., 0] + log(softmax_sum[..., 0]); the backward
+per piece through
+
+    npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None,
+        padding_mask=None, atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
+        attention_in=None, scale_value=1., keep_prob=1., ..., sparse_mode=0, ...)
+      -> (dq, dk, dv, dpse)   (7.3.0: + dsink)
+
+with the ring's final output as attention_in and its log-sum-exp as softmax_max (softmax_sum = 1).
+
 Outside the kernel's documented limits (dtype fp16/bf16/fp32, Dq = Dk = Dv <= 768, Nq <= 256 and a
 multiple of Nkv, windows with an unbounded side) the reference runs, reported as a fallback.
 """
@@ -212,11 +224,93 @@ def attention_thd(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded=None
     return torch.cat([res, out[tq:]]) if tq < q.size(0) else res
 
 
+# ---- context parallelism: the ring's blocks through npu_fusion_attention(_grad) -----------------------
+CP_IMPL = "npu.fusion_attention_blocks"
+BLOCK_FALLBACK = "npu.torch.block"
+BLOCK_WHY = ("this block's visibility has no cover by all-visible and causal pieces (a sliding window, or "
+             "documents that end inside a chunk): it runs in torch math with its scores materialised")
+
+
+def _piece_mask(causal, device):
+    """(atten_mask, sparse_mode) of one piece: a causal piece (square, lower-triangular) takes
+    rightDownCausal with the compressed mask, as MindSpeed's ring attention does; an all-visible
+    one no mask."""
+    return (compressed_causal_mask(device), 3) if causal else (None, 0)
+
+
+def _fa_block_fwd(q, k, v, causal, scale):
+    """(out fp32 [b, h, sq, d], lse fp32 [b, h, sq]) of one piece, layout BNSD; lse from the
+    kernel's row statistics: softmax_max + log(softmax_sum) (both [b, h, sq, 8], equal over 8)."""
+    mask, mode = _piece_mask(causal, q.device)
+    out, smax, ssum = torch_npu().npu_fusion_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), q.size(1), "BNSD", atten_mask=mask, scale=scale,
+        keep_prob=1.0, sparse_mode=mode)[:3]
+    return out.float(), smax[..., 0] + torch.log(ssum[..., 0])
+
+
+def _fa_block_bwd(dout, q, k, v, out, lse, causal, scale):
+    """dq, dk, dv (fp32; dk/dv with k/v's heads) of one piece from the ring's FINAL out and lse:
+    softmax_max = lse and softmax_sum = 1 make the kernel's exp(s - max) / sum the final
+    probabilities (MindSpeed passes the ring's merged max / sum pair; the same numbers)."""
+    mask, mode = _piece_mask(causal, q.device)
+    stat = lse.unsqueeze(-1).expand(*lse.shape, 8).contiguous()
+    dq, dk, dv = torch_npu().npu_fusion_attention_grad(
+        q.contiguous(), k.contiguous(), v.contiguous(), dout.to(q.dtype).contiguous(), q.size(1), "BNSD",
+        atten_mask=mask, softmax_max=stat, softmax_sum=torch.ones_like(stat),
+        attention_in=out.to(q.dtype).contiguous(), scale_value=scale, keep_prob=1.0, sparse_mode=mode)[:3]
+    return dq.float(), dk.float(), dv.float()
+
+
+class NpuBlocks:
+    """The context-parallel ring's blocks (and allgather / a2a's one block) through Ascend's fused
+    attention: each block cut into all-visible and causal pieces (context_parallel.block_pieces), one
+    npu_fusion_attention call per piece, merged by log-sum-exp; the backward runs
+    npu_fusion_attention_grad per piece from the ring's final output and log-sum-exp. A block with
+    no such cover, or dropout, takes the math, reported."""
+
+    @staticmethod
+    def fwd(q, k, v, ok, scale, drop):
+        pieces = None if drop is not None else context_parallel.block_pieces(ok)
+        if pieces is None:
+            report.fell_back("attention_cp", BLOCK_FALLBACK, BLOCK_WHY)
+            return context_parallel._block_fwd(q, k, v, ok, scale, drop)
+        b, hq, sq, _ = q.shape
+        out = q.new_zeros(b, hq, sq, v.size(-1), dtype=torch.float32)
+        lse = q.new_full((b, hq, sq), float("-inf"), dtype=torch.float32)
+        for qs, ks, causal in pieces:
+            o, l = _fa_block_fwd(q[:, :, qs], k[:, :, ks], v[:, :, ks], causal, scale)
+            out[:, :, qs], lse[:, :, qs] = context_parallel._merge(out[:, :, qs], lse[:, :, qs], o, l)
+        return out, lse
+
+    @staticmethod
+    def bwd(q, k, v, ok, scale, out, dout, lse, drop):
+        pieces = None if drop is not None else context_parallel.block_pieces(ok)
+        if pieces is None:
+            return context_parallel._block_bwd(q, k, v, ok, scale, out, dout, lse, drop)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+        for qs, ks, causal in pieces:
+            gq, gk, gv = _fa_block_bwd(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
+                                       lse[:, :, qs], causal, scale)
+            dq[:, :, qs] += gq
+            dk[:, :, ks] += gk
+            dv[:, :, ks] += gv
+        return dq, dk, dv
+
+
 CP_WHY = ("context parallelism runs its attention blocks in torch math with the scores materialised "
-          "(backends/context_parallel.py): no fused ring kernel on the npu backend yet")
+          "(backends/context_parallel.py)")
 
 
 def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type, dropout_p=0.0):
-    report.fell_back("attention_cp", f"npu.torch.{comm_type}", CP_WHY)
+    why = unsupported(q, k, v, None, None)
+    if not why and dropout_p:
+        why = ("attention dropout under context parallelism: the fused blocks cannot replay the kernel's dropout "
+               "masks in the ring's backward (their seed / offset per block are not kept)")
+    if not why:
+        report.ran("attention_cp", f"{CP_IMPL}.{comm_type}")
+        return context_parallel.attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type,
+                                             dropout_p, blocks=NpuBlocks)
+    report.fell_back("attention_cp", f"npu.torch.{comm_type}", f"{CP_WHY}: {why}")
     return context_parallel.attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type,
                                          dropout_p)

@@ -36,6 +36,7 @@ def test_every_op_passes_under_the_emulation(profile):
     lines = out.stdout.splitlines()
     assert f"Ascend Extension for PyTorch {profile} call forms" in lines[0]
     rows = [l for l in lines[2:-1]]
-    assert len(rows) == 13 and all(l.endswith("PASS") for l in rows)
+    assert len(rows) == 14 and all(l.endswith("PASS") for l in rows)
+    assert "npu.fusion_attention_blocks" in rows[-1] and "FELL BACK" not in rows[-1]
     kernel = "npu.torch_npu.npu_grouped_matmul.k_axis(wgrad)" if profile == "7.3.0" else "FELL BACK"
     assert kernel in [l for l in rows if l.startswith("grouped_gemm")][0]

@@ -168,3 +168,52 @@ def test_strict_mode_turns_fallbacks_into_errors(torch_npu, report):
     with pytest.raises(StrictFallbackError, match="attention.*head dim"):
         q = torch.randn(1, 1, 4, 800)
         npu.BACKEND.op("attention")(q, q, q)
+
+
+@pytest.mark.parametrize("layout,hq,hkv,sq,sk,mode", [
+    ("BNSD", 4, 4, 8, 8, None), ("BNSD", 4, 2, 8, 8, 3), ("SBH", 4, 2, 6, 10, 3), ("BSH", 2, 2, 8, 8, 2),
+    ("BSND", 4, 1, 8, 12, None), ("BNSD", 2, 2, 8, 8, 0),
+])
+def test_fusion_attention_grad_is_the_forwards_autograd(torch_npu, layout, hq, hkv, sq, sk, mode):
+    """npu_fusion_attention_grad from the forward's (softmax_max, softmax_sum, attention_out) gives
+    what torch autograd gives through the emulated forward; so does the ring form, softmax_max =
+    the row log-sum-exp and softmax_sum = 1."""
+    torch.manual_seed(3)
+    d, b = 8, 2
+    to = {"BNSD": lambda t: t, "BSND": lambda t: t.transpose(1, 2),
+          "BSH": lambda t: t.transpose(1, 2).flatten(2), "SBH": lambda t: t.permute(2, 0, 1, 3).flatten(2)}[layout]
+    q = to(torch.randn(b, hq, sq, d)).requires_grad_()
+    k, v = (to(torch.randn(b, hkv, sk, d)).requires_grad_() for _ in range(2))
+    kw = dict(scale=0.4)
+    if mode is not None:
+        user = torch.rand(sq, sk) < 0.3
+        user[:, 0] = False                                    # every row sees something
+        kw.update(atten_mask=user if mode == 0 else triu2048(), sparse_mode=mode)
+    out, smax, ssum = torch_npu.npu_fusion_attention(q, k, v, hq, layout, **kw)[:3]
+    dy = torch.randn_like(out)
+    want = torch.autograd.grad(out, (q, k, v), dy)
+    grad_kw = dict(atten_mask=kw.get("atten_mask"), scale_value=0.4, sparse_mode=kw.get("sparse_mode", 0))
+    lse = (smax + torch.log(ssum))
+    for stats in ((smax, ssum), (lse, torch.ones_like(lse))):
+        got = torch_npu.npu_fusion_attention_grad(q.detach(), k.detach(), v.detach(), dy, hq, layout,
+                                                  softmax_max=stats[0], softmax_sum=stats[1],
+                                                  attention_in=out.detach(), **grad_kw)
+        assert len(got) == (5 if torch_npu.PROFILE == "7.3.0" else 4)
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert g.shape == w.shape, name
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(keep_prob=0.9), "keep_prob"),
+    (dict(softmax_sum=None), "softmax_sum"),
+    (dict(attention_in=None), "attention_in"),
+    (dict(softmax_max=torch.zeros(1, 2, 8, 8, dtype=torch.float16)), "softmax_max"),
+    (dict(atten_mask=torch.zeros(8, 8, dtype=torch.bool), sparse_mode=3), "compressed"),
+])
+def test_fusion_attention_grad_rejects(torch_npu, kwargs, message):
+    q, k, v = fa_inputs()
+    args = dict(softmax_max=torch.zeros(1, 2, 8, 8), softmax_sum=torch.ones(1, 2, 8, 8), attention_in=q.clone())
+    args.update(kwargs)
+    with pytest.raises(torch_npu.EmulatedNPUError, match=message):
+        torch_npu.npu_fusion_attention_grad(q, k, v, q.clone(), 2, "BNSD", **args)

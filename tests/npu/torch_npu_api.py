@@ -58,6 +58,10 @@ class Row:
 
 
 FA_ARGS = "torch.randn(1, 2, 8, 4).half(), torch.randn(1, 2, 8, 4).half(), torch.randn(1, 2, 8, 4).half(), 2, 'BNSD'"
+FA_GRAD_ARGS = ("torch.randn(1, 2, 8, 4).half(), torch.randn(1, 2, 8, 4).half(), torch.randn(1, 2, 8, 4).half(), "
+                "torch.randn(1, 2, 8, 4).half(), 2, 'BNSD', softmax_max=torch.zeros(1, 2, 8, 8), "
+                "softmax_sum=torch.full((1, 2, 8, 8), 8.), attention_in=torch.randn(1, 2, 8, 4).half()")
+FA_GRAD_BAD_MAX = FA_GRAD_ARGS.replace("softmax_max=torch.zeros(1, 2, 8, 8)", "softmax_max=torch.zeros(1, 2, 8)")
 GMM_X = "[torch.randn(6, 4).bfloat16()]"
 
 # The Ascend Extension releases the emulation models (emulation/torch_npu/_ops.py PROFILES).
@@ -103,6 +107,32 @@ ROWS = (
         "bool sync=False, str softmax_layout=\"\", Tensor? sink=None) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)",
         f"{yaml('7.3.0')} (7.2.0 adds softmax_layout, 7.3.0 sink; the backend passes neither)",
         "7-tuple as above", f"t.npu_fusion_attention({FA_ARGS})", "len(out) == 7 and out[0].shape == (1, 2, 8, 4)"),
+    Row(("6.0.0", "7.0.0", "7.1.0"),
+        "npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, str input_layout, *, "
+        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, Tensor? softmax_max=None, "
+        "Tensor? softmax_sum=None, Tensor? softmax_in=None, Tensor? attention_in=None, float scale_value=1., "
+        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, int seed=0, "
+        "int offset=0, int numels=0, int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, "
+        "int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False) -> (Tensor, Tensor, Tensor, Tensor)",
+        f"{yaml('6.0.0')}; same line in 7.0.0, 7.1.0; op_plugin/python/meta/_meta_registrations.py (dq/dk/dv like "
+        "query/key/value, dpse empty); MindSpeed's ring attention (mindspeed/core/context_parallel) calls it per ring step",
+        "4-tuple: dq, dk, dv (shapes of query, key, value), dpse",
+        f"t.npu_fusion_attention_grad({FA_GRAD_ARGS})",
+        "out[0].shape == (1, 2, 8, 4) and out[1].shape == (1, 2, 8, 4) and out[2].dtype == torch.float16",
+        (Refusal("softmax_max not [B, N, Sq, 8]", f"t.npu_fusion_attention_grad({FA_GRAD_BAD_MAX})", "softmax_max",
+                 "_meta_registrations.py (softmax_max [B, N, S1, 8] fp32)"),)),
+    Row(("7.3.0",),
+        "npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, str input_layout, *, "
+        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, Tensor? softmax_max=None, "
+        "Tensor? softmax_sum=None, Tensor? softmax_in=None, Tensor? attention_in=None, float scale_value=1., "
+        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, int seed=0, "
+        "int offset=0, int numels=0, int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, "
+        "int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False, str softmax_layout=\"\", Tensor? sink=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+        f"{yaml('7.3.0')} (adds softmax_layout, sink and a fifth output, dsink; the backend passes neither and "
+        "reads the first three)",
+        "5-tuple: dq, dk, dv, dpse, dsink", f"t.npu_fusion_attention_grad({FA_GRAD_ARGS})",
+        "len(out) == 5 and out[0].shape == (1, 2, 8, 4)"),
     Row(("6.0.0",), "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2) -> Tensor",
         f"{yaml('6.0.0')} (no rotary_mode: interleaved rope falls back)",
         "one tensor like input",

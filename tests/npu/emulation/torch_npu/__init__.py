@@ -15,7 +15,7 @@ tests/npu/test_npu_api_table.py checks this package against them under every pro
 The tests put its parent directory on sys.path for the duration of a test module (and in the
 PYTHONPATH of the processes they spawn); it is never on the path otherwise.
 
-    torch_npu.npu_rms_norm / npu_scaled_masked_softmax / npu_fusion_attention / npu_rotary_mul /
+    torch_npu.npu_rms_norm / npu_scaled_masked_softmax / npu_fusion_attention(_grad) / npu_rotary_mul /
         npu_swiglu / _npu_matmul_add_fp32 / npu_grouped_matmul / npu_moe_token_permute /
         npu_moe_token_unpermute -> ._ops (strict validation, CPU math, autograd), per profile
     torch.npu (= torch_npu.npu)         -> is_available / device_count / default_generators ...

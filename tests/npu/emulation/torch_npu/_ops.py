@@ -218,6 +218,21 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     softmax_max / softmax_sum are [B, N, Sq, 8] fp32 (the row max / sum broadcast over 8, as the
     kernel stores them); softmax_out is an empty reserved tensor.
     """
+    nq, nkv = _validate(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, keep_prob,
+                        pre_tockens, next_tockens, inner_precise, prefix, sparse_mode)
+    if input_layout == "TND":
+        return _tnd(query, key, value, nq, atten_mask, scale, keep_prob, pre_tockens, next_tockens,
+                    actual_seq_qlen, actual_seq_kvlen, sparse_mode)
+
+    q, k, v = _to_bnsd(query, input_layout, nq), _to_bnsd(key, input_layout, nkv), _to_bnsd(value, input_layout, nkv)
+    masked = _masked(atten_mask, sparse_mode, pre_tockens, next_tockens, q.size(0), nq, q.size(2), k.size(2), q.device)
+    out, smax, ssum = _attend(q, k, v, masked, float(scale), float(keep_prob))
+    return _outputs(_from_bnsd(out, input_layout), smax, ssum, keep_prob, q.size(0) * nq * q.size(2) * k.size(2))
+
+
+def _validate(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, keep_prob, pre_tockens,
+              next_tockens, inner_precise, prefix, sparse_mode):
+    """The checks npu_fusion_attention and npu_fusion_attention_grad share -> (Nq, Nkv)."""
     _check(isinstance(input_layout, str) and input_layout in LAYOUTS,
            f"input_layout {input_layout!r} not supported (expected one of {LAYOUTS})")
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -272,25 +287,20 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
             _check(torch.equal(atten_mask.bool(), triu),
                    f"sparse_mode {sparse_mode}: atten_mask must be the 2048x2048 upper-triangular (diagonal=1) mask")
 
-    if input_layout == "TND":
-        return _tnd(query, key, value, nq, atten_mask, scale, keep_prob, pre_tockens, next_tockens,
-                    actual_seq_qlen, actual_seq_kvlen, sparse_mode)
+    return nq, nkv
 
-    q, k, v = _to_bnsd(query, input_layout, nq), _to_bnsd(key, input_layout, nkv), _to_bnsd(value, input_layout, nkv)
-    b, _, sq, _ = q.shape
-    sk = k.size(2)
-    masked = None
-    if atten_mask is not None:
-        if sparse_mode in (0, 1):
-            m = atten_mask.bool()
-            shapes = {(sq, sk), (1, 1, sq, sk), (b, 1, sq, sk), (b, nq, sq, sk)}
-            _check(tuple(m.shape) in shapes,
-                   f"atten_mask shape {tuple(m.shape)} not one of SS/11SS/B1SS/BNSS for B={b} N={nq} Sq={sq} Skv={sk}")
-            masked = m | _sparse_mask(sq, sk, sparse_mode, pre_tockens, next_tockens, q.device)
-        else:
-            masked = _sparse_mask(sq, sk, sparse_mode, pre_tockens, next_tockens, q.device)
-    out, smax, ssum = _attend(q, k, v, masked, float(scale), float(keep_prob))
-    return _outputs(_from_bnsd(out, input_layout), smax, ssum, keep_prob, b * nq * sq * sk)
+
+def _masked(atten_mask, sparse_mode, pre_tockens, next_tockens, b, nq, sq, sk, device):
+    """The bool mask (True = masked, broadcastable to [B, N, Sq, Skv]) of a BNSD call, or None."""
+    if atten_mask is None:
+        return None
+    if sparse_mode in (0, 1):
+        m = atten_mask.bool()
+        shapes = {(sq, sk), (1, 1, sq, sk), (b, 1, sq, sk), (b, nq, sq, sk)}
+        _check(tuple(m.shape) in shapes,
+               f"atten_mask shape {tuple(m.shape)} not one of SS/11SS/B1SS/BNSS for B={b} N={nq} Sq={sq} Skv={sk}")
+        return m | _sparse_mask(sq, sk, sparse_mode, pre_tockens, next_tockens, device)
+    return _sparse_mask(sq, sk, sparse_mode, pre_tockens, next_tockens, device)
 
 
 def npu_fusion_attention_7_3(query, key, value, head_num, input_layout, pse=None, padding_mask=None,
@@ -303,6 +313,76 @@ def npu_fusion_attention_7_3(query, key, value, head_num, input_layout, pse=None
     return npu_fusion_attention(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
                                 keep_prob, pre_tockens, next_tockens, inner_precise, prefix, actual_seq_qlen,
                                 actual_seq_kvlen, sparse_mode, gen_mask_parallel, sync)
+
+
+def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
+                              atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
+                              attention_in=None, scale_value=1., keep_prob=1., pre_tockens=2147483647,
+                              next_tockens=2147483647, inner_precise=0, seed=0, offset=0, numels=0, prefix=None,
+                              actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
+                              sync=False):
+    """npu_fusion_attention_grad(...) -> (dq, dk, dv, dpse): flash attention's backward.
+
+    The probabilities are recomputed from the scores and the given row statistics,
+    p = exp(scale_value * q k^T (masked) - softmax_max) / softmax_sum, and
+    dv = p^T dy, ds = p * (dy v^T - rowsum(dy * attention_in)), dq = scale ds k, dk = scale ds^T q;
+    dq/dk/dv in query/key/value's layout and shape (GQA: dk/dv with the kv heads), query's dtype.
+    So softmax_max = the row log-sum-exp with softmax_sum = 1 serves as well as the forward's own
+    pair: how ring attention feeds the ring's final statistics. Same layouts, masks, sparse modes
+    and limits as npu_fusion_attention (op-plugin FlashAttentionKernelNpuOpApi.cpp runs both through
+    aclnnFlashAttentionScore(Grad)). dpse: an empty tensor without pse (the meta registration's).
+    Required here: softmax_max / softmax_sum fp32 [B, N, Sq, 8] and attention_in, dy like query
+    (the kernel reads them; what it does without them is not documented). Not modelled (error):
+    keep_prob < 1 (the dropout mask is replayed from seed / offset / numels), layout TND, pse, prefix.
+    """
+    nq, nkv = _validate(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, keep_prob,
+                        pre_tockens, next_tockens, inner_precise, prefix, sparse_mode)
+    _check(input_layout != "TND", "layout TND is not modelled by the emulation's npu_fusion_attention_grad")
+    _check(keep_prob == 1.0, "keep_prob < 1: replaying the dropout mask (seed / offset / numels) is not modelled")
+    _check(softmax_in is None, "softmax_in is reserved")
+    for name, t in (("dy", dy), ("attention_in", attention_in)):
+        _check(isinstance(t, torch.Tensor), f"{name} must be a Tensor (the emulation requires it)")
+        _check(t.dtype == query.dtype and t.shape == query.shape,
+               f"{name} {t.dtype} {tuple(t.shape)} must be like query {query.dtype} {tuple(query.shape)}")
+    q, k, v = _to_bnsd(query, input_layout, nq), _to_bnsd(key, input_layout, nkv), _to_bnsd(value, input_layout, nkv)
+    b, _, sq, _ = q.shape
+    sk = k.size(2)
+    for name, t in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
+        _check(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and tuple(t.shape) == (b, nq, sq, 8),
+               f"{name} must be fp32 [B, N, Sq, 8] = {(b, nq, sq, 8)}, got "
+               f"{getattr(t, 'dtype', None)} {tuple(getattr(t, 'shape', ()))}")
+    masked = _masked(atten_mask, sparse_mode, pre_tockens, next_tockens, b, nq, sq, sk, q.device)
+    group = nq // nkv
+    kk, vv = (t.float().repeat_interleave(group, dim=1) for t in (k, v))
+    s = torch.matmul(q.float(), kk.transpose(-1, -2)) * float(scale_value)
+    if masked is not None:
+        s = s.masked_fill(masked, float("-inf"))
+    ssum = softmax_sum[..., :1]
+    p = torch.exp(s - softmax_max[..., :1]) / torch.where(ssum == 0, torch.ones_like(ssum), ssum)
+    do, o = _to_bnsd(dy, input_layout, nq).float(), _to_bnsd(attention_in, input_layout, nq).float()
+    dv = p.transpose(-1, -2) @ do
+    ds = p * (do @ vv.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+    dq = (ds @ kk) * float(scale_value)
+    dk = (ds.transpose(-1, -2) @ q.float()) * float(scale_value)
+    if group > 1:
+        dk, dv = (t.view(b, nkv, group, sk, t.size(-1)).sum(2) for t in (dk, dv))
+    grads = tuple(_from_bnsd(t.to(query.dtype), input_layout) for t in (dq, dk, dv))
+    return grads + (torch.empty(0, dtype=query.dtype),)
+
+
+def npu_fusion_attention_grad_7_3(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
+                                  atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
+                                  attention_in=None, scale_value=1., keep_prob=1., pre_tockens=2147483647,
+                                  next_tockens=2147483647, inner_precise=0, seed=0, offset=0, numels=0, prefix=None,
+                                  actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
+                                  sync=False, softmax_layout="", sink=None):
+    """7.3.0 adds softmax_layout and sink (not modelled beyond their defaults) and a fifth output,
+    dsink (the meta registration's torch.empty([]) without sink)."""
+    kw = dict(locals())
+    _check(softmax_layout == "" and sink is None, "softmax_layout / sink are not modelled by the emulation")
+    for name in ("query", "key", "value", "dy", "head_num", "input_layout", "softmax_layout", "sink"):
+        del kw[name]
+    return npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, **kw) + (torch.empty([]),)
 
 
 def _outputs(out, smax, ssum, keep_prob, numel):
@@ -549,7 +629,7 @@ _COMMON = dict(npu_rms_norm=npu_rms_norm, npu_swiglu=npu_swiglu, npu_scaled_mask
 
 def profile_ops(release):
     """The torch_npu functions one release has, under their real names (see torch_npu_api.py)."""
-    ops = dict(_COMMON, npu_fusion_attention=npu_fusion_attention)
+    ops = dict(_COMMON, npu_fusion_attention=npu_fusion_attention, npu_fusion_attention_grad=npu_fusion_attention_grad)
     if release == "6.0.0":
         return dict(ops, npu_rotary_mul=npu_rotary_mul_6_0, npu_grouped_matmul=npu_grouped_matmul_6_0)
     ops.update(npu_rotary_mul=npu_rotary_mul, _npu_matmul_add_fp32=_npu_matmul_add_fp32)
@@ -558,4 +638,5 @@ def profile_ops(release):
     ops.update(npu_moe_token_permute=npu_moe_token_permute, npu_moe_token_unpermute=npu_moe_token_unpermute)
     if release == "7.1.0":
         return dict(ops, npu_grouped_matmul=npu_grouped_matmul_7_1)
-    return dict(ops, npu_grouped_matmul=npu_grouped_matmul_7_3, npu_fusion_attention=npu_fusion_attention_7_3)
+    return dict(ops, npu_grouped_matmul=npu_grouped_matmul_7_3, npu_fusion_attention=npu_fusion_attention_7_3,
+                npu_fusion_attention_grad=npu_fusion_attention_grad_7_3)
