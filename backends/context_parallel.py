@@ -263,6 +263,45 @@ def block_pieces(ok):
     return None
 
 
+class PieceBlocks:
+    """Block kernels for the ring from one backend's fused attention call: each block cut into
+    all-visible and causal pieces (block_pieces), `piece_fwd(q, k, v, causal, scale) -> (out, lse)`
+    per piece merged by log-sum-exp; the backward runs `piece_bwd(dout, q, k, v, out, lse, causal,
+    scale) -> (dq, dk, dv)` per piece from the ring's final out / lse. A block with no such cover,
+    or dropout, takes the math (`fallback` names it in the report, with `why`)."""
+
+    def __init__(self, piece_fwd, piece_bwd, fallback, why):
+        self.piece_fwd, self.piece_bwd, self.fallback, self.why = piece_fwd, piece_bwd, fallback, why
+
+    def fwd(self, q, k, v, ok, scale, drop):
+        pieces = None if drop is not None else block_pieces(ok)
+        if pieces is None:
+            from megatron_adapt import report
+            report.fell_back("attention_cp", self.fallback, self.why)
+            return _block_fwd(q, k, v, ok, scale, drop)
+        b, hq, sq, _ = q.shape
+        out = q.new_zeros(b, hq, sq, v.size(-1), dtype=torch.float32)
+        lse = q.new_full((b, hq, sq), float("-inf"), dtype=torch.float32)
+        for qs, ks, causal in pieces:
+            o, l = self.piece_fwd(q[:, :, qs], k[:, :, ks], v[:, :, ks], causal, scale)
+            out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], o, l)
+        return out, lse
+
+    def bwd(self, q, k, v, ok, scale, out, dout, lse, drop):
+        pieces = None if drop is not None else block_pieces(ok)
+        if pieces is None:
+            return _block_bwd(q, k, v, ok, scale, out, dout, lse, drop)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+        for qs, ks, causal in pieces:
+            gq, gk, gv = self.piece_bwd(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
+                                        lse[:, :, qs], causal, scale)
+            dq[:, :, qs] += gq
+            dk[:, :, ks] += gk
+            dv[:, :, ks] += gv
+        return dq, dk, dv
+
+
 class MathBlocks:
     """The ring's blocks in torch math (scores materialised in fp32): any visibility pattern,
     dropout. A backend may pass its own object with the same two functions (fused kernels)."""

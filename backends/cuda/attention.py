@@ -342,40 +342,12 @@ BLOCK_WHY = ("this block's visibility has no cover by all-visible and causal pie
              "documents that end inside a chunk): it runs in torch math with its scores materialised")
 
 
-class FlashBlocks:
-    """The context-parallel ring's blocks (and allgather / a2a's one block) through the varlen flash
+FlashBlocks = context_parallel.PieceBlocks(
+    _flash_block_fwd, _flash_block_bwd, "cuda.torch.block", BLOCK_WHY)
+"""The context-parallel ring's blocks (and allgather / a2a's one block) through the varlen flash
     kernel: each block cut into all-visible and causal pieces (block_pieces), one flash call per
     piece, the pieces merged by log-sum-exp; the backward runs flash's backward per piece from the
     ring's final output and log-sum-exp. A block with no such cover, or dropout, takes the math."""
-
-    @staticmethod
-    def fwd(q, k, v, ok, scale, drop):
-        pieces = None if drop is not None else block_pieces(ok)
-        if pieces is None:
-            report.fell_back("attention_cp", "cuda.torch.block", BLOCK_WHY)
-            return context_parallel._block_fwd(q, k, v, ok, scale, drop)
-        b, hq, sq, _ = q.shape
-        out = q.new_zeros(b, hq, sq, v.size(-1), dtype=torch.float32)
-        lse = q.new_full((b, hq, sq), float("-inf"), dtype=torch.float32)
-        for qs, ks, causal in pieces:
-            o, l = _flash_block_fwd(q[:, :, qs], k[:, :, ks], v[:, :, ks], causal, scale)
-            out[:, :, qs], lse[:, :, qs] = context_parallel._merge(out[:, :, qs], lse[:, :, qs], o, l)
-        return out, lse
-
-    @staticmethod
-    def bwd(q, k, v, ok, scale, out, dout, lse, drop):
-        pieces = None if drop is not None else block_pieces(ok)
-        if pieces is None:
-            return context_parallel._block_bwd(q, k, v, ok, scale, out, dout, lse, drop)
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
-        for qs, ks, causal in pieces:
-            gq, gk, gv = _flash_block_bwd(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
-                                          lse[:, :, qs], causal, scale)
-            dq[:, :, qs] += gq
-            dk[:, :, ks] += gk
-            dv[:, :, ks] += gv
-        return dq, dk, dv
 
 
 CP_WHY = ("context parallelism runs its attention blocks in torch math with the scores materialised "

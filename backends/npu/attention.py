@@ -261,41 +261,13 @@ def _fa_block_bwd(dout, q, k, v, out, lse, causal, scale):
     return dq.float(), dk.float(), dv.float()
 
 
-class NpuBlocks:
-    """The context-parallel ring's blocks (and allgather / a2a's one block) through Ascend's fused
+NpuBlocks = context_parallel.PieceBlocks(
+    _fa_block_fwd, _fa_block_bwd, BLOCK_FALLBACK, BLOCK_WHY)
+"""The context-parallel ring's blocks (and allgather / a2a's one block) through Ascend's fused
     attention: each block cut into all-visible and causal pieces (context_parallel.block_pieces), one
     npu_fusion_attention call per piece, merged by log-sum-exp; the backward runs
     npu_fusion_attention_grad per piece from the ring's final output and log-sum-exp. A block with
     no such cover, or dropout, takes the math, reported."""
-
-    @staticmethod
-    def fwd(q, k, v, ok, scale, drop):
-        pieces = None if drop is not None else context_parallel.block_pieces(ok)
-        if pieces is None:
-            report.fell_back("attention_cp", BLOCK_FALLBACK, BLOCK_WHY)
-            return context_parallel._block_fwd(q, k, v, ok, scale, drop)
-        b, hq, sq, _ = q.shape
-        out = q.new_zeros(b, hq, sq, v.size(-1), dtype=torch.float32)
-        lse = q.new_full((b, hq, sq), float("-inf"), dtype=torch.float32)
-        for qs, ks, causal in pieces:
-            o, l = _fa_block_fwd(q[:, :, qs], k[:, :, ks], v[:, :, ks], causal, scale)
-            out[:, :, qs], lse[:, :, qs] = context_parallel._merge(out[:, :, qs], lse[:, :, qs], o, l)
-        return out, lse
-
-    @staticmethod
-    def bwd(q, k, v, ok, scale, out, dout, lse, drop):
-        pieces = None if drop is not None else context_parallel.block_pieces(ok)
-        if pieces is None:
-            return context_parallel._block_bwd(q, k, v, ok, scale, out, dout, lse, drop)
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
-        for qs, ks, causal in pieces:
-            gq, gk, gv = _fa_block_bwd(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
-                                       lse[:, :, qs], causal, scale)
-            dq[:, :, qs] += gq
-            dk[:, :, ks] += gk
-            dv[:, :, ks] += gv
-        return dq, dk, dv
 
 
 CP_WHY = ("context parallelism runs its attention blocks in torch math with the scores materialised "
