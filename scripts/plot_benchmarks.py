@@ -41,6 +41,7 @@ PLOTS = (
     "loss_moe.png",
     "host_cost_ratio.png",
     "megatron_unit_tests.png",
+    "loss_095b_fp8_vs_bf16.png",
 )
 
 # Run names as the JSON files have them -> legend label and colour.
@@ -355,6 +356,28 @@ def unit_test_chart(results, path):
     plt.close(fig)
 
 
+def fp8_loss_chart(results, path):
+    """fp8_parity_h100.json, as scripts/fp8_loss_parity.py wrote it: bf16's losses and each fp8 recipe's."""
+    d = load(results, "fp8_parity_h100.json")
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    xs = sorted(int(k) for k in d["bf16"])
+    ax.plot(xs, [float(d["bf16"][str(i)]) for i in xs], label="bf16", lw=1.5, color="#1f77b4")
+    for (label, run), color in zip(sorted(d["fp8"].items()), ("#d62728", "#2ca02c", "#ff7f0e")):
+        xs = sorted(int(k) for k in run["losses"])
+        ax.plot(xs, [float(run["losses"][str(i)]) for i in xs], lw=1, color=color,
+                label=f"fp8 {label}: mean |Δ| over the last {d['last']} = {run['mean_abs_diff_last']:.4f} "
+                      f"(bound {d['tol']})")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title("0.95B GPT, fp8 vs bf16, same data and initial weights: fp8_parity_h100.json\n"
+                 "(2026-11-25, H100 80GB HBM3, 32-vCPU host, core_v0.16.1; scripts/fp8_loss_parity.py)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", default=os.path.join(REPO, "docs", "results"), help="folder of the JSON files")
@@ -391,6 +414,7 @@ def main(argv=None):
     moe_loss_chart(res, out("loss_moe.png"))
     host_cost_chart(res, out("host_cost_ratio.png"))
     unit_test_chart(res, out("megatron_unit_tests.png"))
+    fp8_loss_chart(res, out("loss_095b_fp8_vs_bf16.png"))
     for name in PLOTS:
         print(out(name))
 
