@@ -20,6 +20,15 @@ from megatron_adapt import report
 from megatron_adapt.spec import PatchSpec
 
 
+def padding_pair_mask(masks, sq, sk):
+    """TE's cross-attention padding masks, a pair (query padding [b, 1, 1, sq], key padding
+    [b, 1, 1, sk], True = padding; T5 passes them with the transformer_engine spec), as one bool
+    [b, 1, sq, sk] mask. A padded query's row is all masked: its output is 0, as TE gives."""
+    q_pad, kv_pad = masks
+    b = q_pad.size(0)
+    return q_pad.reshape(b, 1, sq, 1) | kv_pad.reshape(b, 1, 1, sk)
+
+
 def build(backend, original):
     attention = backend.op("attention")
     from megatron_adapt.core import active_config
@@ -64,6 +73,8 @@ def build(backend, original):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
+        if isinstance(attention_mask, tuple):
+            attention_mask = padding_pair_mask(attention_mask, query.size(0), key.size(0))
         if packed_seq_params is not None:
             return forward_thd(self, query, key, value, attn_mask_type, attention_bias, packed_seq_params)
         why = unsupported(self, attention_mask, attn_mask_type, attention_bias, packed_seq_params)

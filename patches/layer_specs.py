@@ -27,7 +27,7 @@ With TE installed every spec here is skipped.
 """
 import torch
 
-from megatron_adapt.spec import PatchSpec, SkipPatch
+from megatron_adapt.spec import WRAP, PatchSpec, SkipPatch
 
 TE_PRESENT = "Transformer Engine is installed: its own spec provider serves"
 
@@ -356,6 +356,58 @@ def build_mla_te_linear(backend, original):
     return duplicated_linear_class()
 
 
+# The TE class names BERT's and T5's spec modules hold as module globals (None without TE), and what
+# the provider gives in their place: the same modules the GPT TE spec gets.
+TE_NAMES = {
+    "TEDotProductAttention": lambda provider: provider.core_attention(),
+    "TELayerNormColumnParallelLinear": lambda provider: provider.column_parallel_layer_norm_linear(),
+    "TEColumnParallelLinear": lambda provider: provider.column_parallel_linear(),
+    "TERowParallelLinear": lambda provider: provider.row_parallel_linear(),
+    "TENorm": lambda provider: provider.layer_norm(),
+}
+
+
+def build_te_name(name):
+    """Build for one TE name a spec module holds: the provider's module for it (the same classes on
+    every module, so checkpoints and parameter names match the GPT TE spec's)."""
+    def build(backend, original):
+        _require_no_te(original)
+        return TE_NAMES[name](build_provider(backend, None)())
+    build.__name__ = f"build_{name}"
+    return build
+
+
+def build_have_te(backend, original):
+    """bert_layer_specs' TE spec functions raise ImportError unless its HAVE_TE is true; every TE
+    name they read is bound to the provider's module (TE_NAMES), so they may run."""
+    _require_no_te(None)
+    if original:
+        raise SkipPatch(TE_PRESENT)
+    return True
+
+
+def build_t5_masks(backend, original):
+    """T5's get_batch shapes its masks by the TE version (`config_attention_mask`). Without TE the
+    version reads 0.0.0, and the default --attention-backend auto (NVTE_FLASH_ATTN=1) then trips
+    its assertion "Flash and fused attention is not supported with transformer engine version <
+    1.7". The served TE spec takes TE 1.10's layout (patches/attention: [b, 1, 1, s] padding masks,
+    a causal decoder, a (query, key) padding pair for cross attention): asked for the TE spec's
+    masks (use_local false) with no test version, it gets them for TE 1.10."""
+    _require_no_te(None)
+
+    def te_layout(wrapped, instance, args, kwargs):
+        import inspect
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+        if not bound.arguments.get("use_local") and bound.arguments.get("test_te_version") is None:
+            bound.arguments["test_te_version"] = "1.10.0"
+        return wrapped(*bound.args, **bound.kwargs)
+    return te_layout
+
+
+def _te_name_specs(module, names):
+    return [PatchSpec(f"{module}:{name}", area="layer_specs", build=build_te_name(name)) for name in names]
+
+
 def _provider_specs(module, optional=False):
     """One spec per release range: the provider's `layer_norm` signature changed in core_v0.17."""
     return [PatchSpec(f"{module}:TESpecProvider", area="layer_specs", build=build_provider,
@@ -375,4 +427,14 @@ SPECS = [
               build=build_mla_te_linear),
     PatchSpec("megatron.core.models.vision.clip_vit_model:CLIPViTModel.__init__", area="layer_specs",
               build=build_clip_vit_init),
+    # T5 (t5_spec): TE's linears, attention and TENorm as module globals, in the TE block specs and
+    # as every block spec's final norm (the local ones too).
+    *_te_name_specs("megatron.core.models.T5.t5_spec", TE_NAMES),
+    # BERT (bert_layer_specs): the TE layer spec, which pretrain_bert.py reads at import.
+    *_te_name_specs("megatron.core.models.bert.bert_layer_specs",
+                    ("TEDotProductAttention", "TELayerNormColumnParallelLinear", "TERowParallelLinear")),
+    PatchSpec("megatron.core.datasets.t5_dataset:T5MaskedWordPieceDataset.config_attention_mask",
+              area="layer_specs", mode=WRAP, build=build_t5_masks),
+    PatchSpec("megatron.core.models.bert.bert_layer_specs:HAVE_TE", area="layer_specs", build=build_have_te,
+              check_signature=False),
 ]

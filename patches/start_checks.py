@@ -15,16 +15,15 @@ Megatron-LM's `set_global_variables` (right after argument validation) and from
   served through the transformer_engine spec. Refused also where a megatron-core user asks the
   local spec builder for MLA (`get_gpt_layer_local_spec(multi_latent_attention=True)`).
 
-Model families whose layer specs name TE's classes directly (not through the TESpecProvider seam
-that patches/layer_specs serves) cannot be told apart by their arguments, so they are refused where
-the script asks for the spec, before any module is built:
+Model families whose layer specs name TE's classes directly (not through the TESpecProvider seam)
+are refused where the script asks for the spec, before any module is built:
 
-* T5 (`pretrain_t5.py`, `t5_spec`): the TE specs name TE's linears and attention; every block spec,
-  the local ones too, takes TE's `TENorm` (None without TE) as the final norm.
-* BERT (`pretrain_bert.py`): `get_bert_layer_with_transformer_engine_spec` (read at the script's
-  import) raises Megatron's ImportError; here the message names the backend and the reason.
 * Heterogeneous layers with the TE spec (`--heterogeneous-layers-config-path`): the spec names TE's
   classes and TE's gathered norm linear. `--transformer-impl local` builds Megatron's own modules.
+
+T5 and BERT are served (patches/layer_specs binds their specs' TE names); what T5 asks for that is
+not is refused where its model is built, before any module: `--position-embedding-type relative`
+(a learned attention bias added to the scores, which the attention here does not take).
 """
 from __future__ import annotations
 
@@ -106,30 +105,30 @@ for _name, _check in (("offloading", offloading_refusal), ("delay_wgrad", wgrad_
 
 
 # ---------------------------------------------------------------- families refused at their spec
-T5_WHY = ("megatron-adapt does not serve T5's layer specs: t5_spec names Transformer Engine's "
-          "linears and attention directly (not through the TESpecProvider that megatron-adapt "
-          "serves), and every T5 block spec, the local ones too, takes TE's TENorm as the final "
-          "norm (None without TE: the model would lose its final layer norms)")
-BERT_WHY = ("megatron-adapt does not serve BERT's transformer_engine layer spec: bert_layer_specs "
-            "names Transformer Engine's classes directly (not through the TESpecProvider that "
-            "megatron-adapt serves), and pretrain_bert.py reads that spec when it is imported, "
-            "so --spec local does not avoid it")
+T5_RELATIVE_WHY = ("T5's relative position embedding adds a learned bias to the attention scores "
+                   "(attention_bias), which megatron-adapt's attention does not take (Megatron's own "
+                   "DotProductAttention asserts it away too); use --position-embedding-type "
+                   "learned_absolute or rope")
 HETERO_WHY = ("the heterogeneous transformer_engine spec names Transformer Engine's classes "
               "directly (TE's gathered norm + column-parallel linear among them), not through the "
               "TESpecProvider that megatron-adapt serves; --transformer-impl local builds "
               "Megatron's own modules")
 
 
-def _spec_refusal(what: str, why: str, when: str | None = None):
+def _spec_refusal(what: str, why: str, when=None):
     """A wrapper refusing every call, or (`when`: a parameter name of the spec function) the calls
-    in which that parameter, as bound with its default, is true."""
+    in which that parameter, as bound with its default, is true; `when` may also be a
+    (parameter, value) pair: refused where the parameter equals the value."""
     def build(backend, original):
         if start_checks.te_installed():
             raise SkipPatch("Transformer Engine is installed: its modules serve this spec")
         signature = inspect.signature(original)
 
         def refuse_spec(wrapped, instance, args, kwargs):
-            if when is None or _bound(signature, args, kwargs).get(when):
+            name, value = when if isinstance(when, tuple) else (when, None)
+            call = (instance, *args) if instance is not None else args  # a method: self is bound
+            bound = _bound(signature, call, kwargs).get(name) if name else True
+            if name is None or (bound == value if isinstance(when, tuple) else bound):
                 start_checks.refuse(f"{what}: {where(backend)} cannot build it: {why}.")
             return wrapped(*args, **kwargs)
         return refuse_spec
@@ -146,8 +145,7 @@ def _bound(signature, args, kwargs) -> dict:
 
 
 GPT_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
-T5 = "megatron.core.models.T5.t5_spec"
-BERT = "megatron.core.models.bert.bert_layer_specs"
+T5_MODEL = "megatron.core.models.T5.t5_model"
 HETERO = "megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs"
 
 SPECS = [
@@ -155,12 +153,9 @@ SPECS = [
               build=build_args_check, optional=True),
     PatchSpec("megatron.core.transformer.transformer_config:TransformerConfig.__post_init__",
               area=AREA, mode=WRAP, build=build_config_check),
-    *(PatchSpec(f"{T5}:get_t5_{part}_with_{impl}_block_spec", area=AREA, mode=WRAP,
-                build=_spec_refusal(f"T5 ({T5}.get_t5_{part}_with_{impl}_block_spec, pretrain_t5.py)", T5_WHY))
-      for part in ("encoder", "decoder") for impl in ("transformer_engine", "local")),
-    PatchSpec(f"{BERT}:get_bert_layer_with_transformer_engine_spec", area=AREA, mode=WRAP,
-              build=_spec_refusal("BERT with the transformer_engine layer spec (pretrain_bert.py)",
-                                  BERT_WHY)),
+    PatchSpec(f"{T5_MODEL}:T5Model.__init__", area=AREA, mode=WRAP,
+              build=_spec_refusal("T5 with --position-embedding-type relative", T5_RELATIVE_WHY,
+                                  when=("position_embedding_type", "relative"))),
     # megatron-core users who build the local spec for MLA (the config check sees transformer_impl
     # only). From 0.17 get_gpt_layer_local_spec(*args, **kwargs) delegates to the submodules builder.
     PatchSpec(f"{GPT_SPECS}:get_gpt_layer_local_spec", area=AREA, mode=WRAP,
