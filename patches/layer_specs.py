@@ -405,7 +405,9 @@ def build_t5_masks(backend, original):
 
 
 def _te_name_specs(module, names):
-    return [PatchSpec(f"{module}:{name}", area="layer_specs", build=build_te_name(name)) for name in names]
+    """create: core 0.15 leaves the names undefined without TE (later releases set them to None)."""
+    return [PatchSpec(f"{module}:{name}", area="layer_specs", build=build_te_name(name), create=True)
+            for name in names]
 
 
 def _provider_specs(module, optional=False):

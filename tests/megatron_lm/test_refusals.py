@@ -42,32 +42,13 @@ def _script(*candidates):
     pytest.skip(f"none of {candidates} in {LM}")
 
 
-def test_pretrain_t5_refused_before_model_build(tmp_path):
-    """T5 is told from GPT by its script only: refused where it asks for its layer spec."""
+def test_pretrain_t5_relative_position_embedding_refused_before_model_build(tmp_path):
+    """T5 is served; its relative position embedding (an attention bias) is not: refused where the
+    model is built, before any module exists."""
+    from test_pretrain_bert_t5 import COMMON, T5, data
+
     script = _script("pretrain_t5.py", "examples/t5/pretrain_t5.py")
-    t5 = ["--encoder-num-layers", "2", "--decoder-num-layers", "2", "--encoder-seq-length", "64",
-          "--decoder-seq-length", "32", "--kv-channels", "16", "--ffn-hidden-size", "128",
-          "--vocab-extra-ids", "10", "--train-iters", "3"]
-    run = launch(script, [*_without(TINY_GPT, "--num-layers", "--seq-length"), *t5], tmp_path, "t5")
-    assert_refused_at_start(run, "T5 (megatron.core.models.T5.t5_spec.get_t5_encoder_with_"
-                                 "transformer_engine_block_spec, pretrain_t5.py): the cpu backend cannot build it")
-
-
-def test_pretrain_bert_refused_at_import(tmp_path):
-    script = _script("pretrain_bert.py", "examples/bert/pretrain_bert.py")
-    run = launch(script, [*TINY_GPT, "--train-iters", "3"], tmp_path, "bert")
-    assert_refused_at_start(run, "BERT with the transformer_engine layer spec (pretrain_bert.py): the cpu "
-                                 "backend cannot build it")
-
-
-def _without(args: list[str], *flags: str) -> list[str]:
-    """`args` less each flag in `flags` and its value."""
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-        elif a in flags:
-            skip = True
-        else:
-            out.append(a)
-    return out
+    run = launch(script, [*COMMON, *T5, *data(tmp_path), "--train-iters", "3", "--position-embedding-type",
+                          "relative"], tmp_path, "t5_relative")
+    assert_refused_at_start(run, "T5 with --position-embedding-type relative: the cpu backend cannot build "
+                                 "it: T5's relative position embedding adds a learned bias")

@@ -1,7 +1,7 @@
 """Start-up refusals through Megatron's real paths, in a fresh interpreter; prints PROBE-JSON findings.
 
     python start_checks_worker.py config         TransformerConfig / MLATransformerConfig with refused settings
-    python start_checks_worker.py specs          T5, BERT and heterogeneous layer-spec functions
+    python start_checks_worker.py specs          T5, BERT and heterogeneous layer-spec functions, T5Model
     python start_checks_worker.py hetero_local   a heterogeneous GPT from the local spec: forward, backward
     python start_checks_worker.py args JSON      Megatron-LM's parse_args -> validate_args ->
                                                  set_global_variables for each flag list in JSON
@@ -117,6 +117,15 @@ def specs():
         outcome("hetero_te_positional", lambda: get_gpt_heterogeneous_layer_spec(config, True))
         outcome("hetero_local", lambda: get_gpt_heterogeneous_layer_spec(config, use_te=False))
         outcome("hetero_default", lambda: get_gpt_heterogeneous_layer_spec(config))   # use_te=False
+        from megatron.core.models.T5.t5_model import T5Model
+        from megatron.core.transformer import TransformerConfig
+
+        t5_config = TransformerConfig(**BASE)
+        for pos in ("relative", "learned_absolute"):
+            outcome(f"t5_model_{pos}", lambda pos=pos: T5Model(
+                t5_config, t5_config, t5_spec.get_t5_encoder_with_transformer_engine_block_spec(2),
+                t5_spec.get_t5_decoder_with_transformer_engine_block_spec(2), vocab_size=64,
+                max_sequence_length=16, position_embedding_type=pos))
 
 
 def _init():

@@ -56,23 +56,26 @@ class TestConfig:
 
 
 class TestLayerSpecs:
-    """Families whose specs name TE's classes: refused where the spec is asked for."""
+    """Families whose specs name TE's classes: served (T5, BERT) or refused where the spec is asked for."""
 
     @pytest.mark.parametrize("name", [f"get_t5_{p}_with_{i}_block_spec" for p in ("encoder", "decoder")
                                       for i in ("transformer_engine", "local")])
-    def test_t5_refused(self, name):
-        got = worker("specs")[name]
-        assert got.startswith(f"{REFUSED}T5 (megatron.core.models.T5.t5_spec.{name}, pretrain_t5.py): the cpu "
-                              "backend cannot build it: megatron-adapt does not serve T5's layer specs"), got
-        assert "TENorm as the final norm" in got
+    def test_t5_specs_served(self, name):
+        """patches/layer_specs binds t5_spec's TE names (tests/patching/test_encoder_families.py runs them)."""
+        assert worker("specs")[name] == "built"
 
     @pytest.mark.parametrize("key", ["bert_te", "bert_te_attribute"])
-    def test_bert_te_spec_refused(self, key):
+    def test_bert_te_spec_served(self, key):
         """pretrain_bert.py imports `bert_layer_with_transformer_engine_spec` (the module's __getattr__
-        calls the function): Megatron's own ImportError is replaced by one naming the backend."""
-        got = worker("specs")[key]
-        assert got.startswith(f"{REFUSED}BERT with the transformer_engine layer spec (pretrain_bert.py): the "
-                              "cpu backend cannot build it"), got
+        calls the function): it builds, where Megatron raised ImportError without TE."""
+        assert worker("specs")[key] == "built"
+
+    def test_t5_relative_position_embedding_refused_before_model_build(self):
+        res = worker("specs")
+        got = res["t5_model_relative"]
+        assert got.startswith(f"{REFUSED}T5 with --position-embedding-type relative: the cpu backend cannot "
+                              "build it: T5's relative position embedding adds a learned bias"), got
+        assert res["t5_model_learned_absolute"] == "built"
 
     @pytest.mark.parametrize("key", ["mla_local_spec", "mla_local_block_spec"])
     def test_mla_local_spec_refused(self, key):

@@ -1,0 +1,91 @@
+"""Stock Megatron-LM pretrain_bert.py and pretrain_t5.py, unmodified, on the cpu backend over gloo, with
+Megatron's default --transformer-impl transformer_engine served without TE (patches/layer_specs).
+
+Data: a WordPiece vocab and an indexed dataset of multi-sentence documents made offline
+(wordpiece_data.py), read by Megatron's BertWordPiece tokenizer (`--legacy-tokenizer`: the new
+tokenizer system loads `bert-large-uncased` from the Hugging Face hub) and its masked WordPiece
+datasets. Each run: exit 0, the loss falls, save and resume (the resumed run starts at the saved
+iteration and continues the curve), TP=2, attention served by the backend with no fallback. T5 also
+runs against Megatron's own path: `--transformer-impl local` (its local specs; their final norms are
+TENorm, which megatron-adapt binds to the backend norm) with megatron-adapt's attention turned off
+(Megatron's DotProductAttention and its [b, 1, sq, sk] masks), dropout 0, same seed: the losses agree.
+
+Needs MEGATRON_LM_PATH on core_v0.16.1 (the scripts at the checkout's top level). core_v0.19's
+examples/bert and examples/t5 read their tokenizer only through the new system (from the hub): not
+run here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_pretrain_gpt as base  # noqa: E402
+from wordpiece_data import write_dataset, write_vocab  # noqa: E402
+
+NEEDS_CHECKOUT = True
+pytestmark = [*base.pytestmark,
+              pytest.mark.skipif(bool(base.LM) and not os.path.isfile(os.path.join(base.LM or "", "pretrain_t5.py")),
+                                 reason=f"MEGATRON_LM_PATH={base.LM} has no top-level pretrain_bert.py / "
+                                        "pretrain_t5.py (core_v0.19 moved them to examples/ and loads their "
+                                        "tokenizer from the Hugging Face hub)")]
+
+COMMON = ["--hidden-size", "64", "--num-attention-heads", "4", "--max-position-embeddings", "64",
+          "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "1e-3", "--min-lr", "1e-4",
+          "--lr-decay-style", "cosine", "--lr-decay-iters", "20", "--weight-decay", "0.01", "--clip-grad", "1.0",
+          "--seed", "1234", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
+          "--tokenizer-type", "BertWordPieceLowerCase", "--legacy-tokenizer", "--split", "90,10,0",
+          "--tensor-model-parallel-size", "2"]
+BERT = ["--num-layers", "2", "--seq-length", "64"]
+T5 = ["--encoder-num-layers", "2", "--decoder-num-layers", "2", "--kv-channels", "16", "--ffn-hidden-size", "128",
+      "--encoder-seq-length", "64", "--decoder-seq-length", "32", "--vocab-extra-ids", "10"]
+FAMILY = {"bert": ("pretrain_bert.py", BERT), "t5": ("pretrain_t5.py", T5)}
+
+
+def data(tmp):
+    vocab = write_vocab(tmp / "vocab.txt")
+    prefix = write_dataset(tmp / "docs", documents=1000)
+    return ["--vocab-file", str(vocab), "--data-path", str(prefix)]
+
+
+def run(family, args, tmp, name, iters, env=None):
+    script, flags = FAMILY[family]
+    report = tmp / f"{name}.report.json"
+    r = base.launch(script, [*COMMON, *flags, *data(tmp), "--train-iters", str(iters), *args], tmp, name,
+                    env={"MEGATRON_ADAPT_REPORT": str(report), **(env or {})})
+    r.ops = {o["op"]: o for o in json.loads(report.read_text())["ops"]} if report.exists() else {}
+    return r.check()
+
+
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_stock_tp2_trains_saves_and_resumes(tmp_path, family):
+    ckpt = tmp_path / "ckpt"
+    save = ["--save", str(ckpt), "--save-interval", "10"]
+    first = run(family, save, tmp_path, f"{family}_save", iters=10)
+    base.assert_loss_falls(first, by=0.2)
+    attention = first.ops["attention"]
+    assert attention["calls"] > 0 and not attention["fallback_reason"], attention
+    assert attention["implementation"] == "cpu.torch.sdpa", attention
+    assert "layer_norm" in first.ops and not first.ops["layer_norm"]["fallback_reason"], first.ops
+    second = run(family, [*save, "--load", str(ckpt), "--override-opt_param-scheduler"], tmp_path,
+                 f"{family}_resume", iters=15)
+    assert "successfully loaded checkpoint" in second.out, second.out[-3000:]
+    assert min(second.losses) == 11 and max(second.losses) == 15, second.losses
+    assert abs(second.losses[11] - first.losses[10]) < 0.25, (first.losses, second.losses)
+
+
+def test_t5_te_spec_matches_megatrons_local_path(tmp_path):
+    """Dropout 0, same seed and data: the served TE spec (TE 1.10's masks) against Megatron's local
+    spec on Megatron's own attention ([b, 1, sq, sk] masks)."""
+    no_dropout = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+    te = run("t5", no_dropout, tmp_path, "t5_te", iters=8)
+    local = run("t5", [*no_dropout, "--transformer-impl", "local"], tmp_path, "t5_local", iters=8,
+                env={"MEGATRON_ADAPT_DISABLE": "attention"})
+    assert "attention" not in local.ops, local.ops   # Megatron's DotProductAttention served it
+    assert sorted(te.losses) == sorted(local.losses) == list(range(1, 9))
+    diffs = {i: abs(te.losses[i] - local.losses[i]) for i in te.losses}
+    assert max(diffs.values()) < 2e-3, (te.losses, local.losses)
+    base.assert_loss_falls(te, by=0.2)
