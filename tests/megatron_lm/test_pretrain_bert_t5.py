@@ -2,17 +2,17 @@
 Megatron's default --transformer-impl transformer_engine served without TE (patches/layer_specs).
 
 Data: a WordPiece vocab and an indexed dataset of multi-sentence documents made offline
-(wordpiece_data.py), read by Megatron's BertWordPiece tokenizer (`--legacy-tokenizer`: the new
-tokenizer system loads `bert-large-uncased` from the Hugging Face hub) and its masked WordPiece
-datasets. Each run: exit 0, the loss falls, save and resume (the resumed run starts at the saved
+(wordpiece_data.py), read by Megatron's masked WordPiece datasets. core_v0.16.1 (scripts at the
+checkout's top level): Megatron's BertWordPiece tokenizer with `--legacy-tokenizer`. core_v0.19
+(examples/bert, examples/t5): its BertWordPiece tokenizer loads `bert-large-uncased` from the Hugging
+Face hub, so the same vocab goes in as a local Hugging Face tokenizer directory (`--tokenizer-type
+HuggingFaceTokenizer`; needs transformers: `pip install -e ".[sft]"`). Each run: exit 0, the loss falls, save and resume (the resumed run starts at the saved
 iteration and continues the curve), TP=2, attention served by the backend with no fallback. T5 also
 runs against Megatron's own path: `--transformer-impl local` (its local specs; their final norms are
 TENorm, which megatron-adapt binds to the backend norm) with megatron-adapt's attention turned off
 (Megatron's DotProductAttention and its [b, 1, sq, sk] masks), dropout 0, same seed: the losses agree.
 
-Needs MEGATRON_LM_PATH on core_v0.16.1 (the scripts at the checkout's top level). core_v0.19's
-examples/bert and examples/t5 read their tokenizer only through the new system (from the hub): not
-run here.
+Needs MEGATRON_LM_PATH (core_v0.16.1 or core_v0.19.0).
 """
 from __future__ import annotations
 
@@ -24,31 +24,35 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_pretrain_gpt as base  # noqa: E402
-from wordpiece_data import write_dataset, write_vocab  # noqa: E402
+from wordpiece_data import write_dataset, write_hf_tokenizer, write_vocab  # noqa: E402
 
 NEEDS_CHECKOUT = True
-pytestmark = [*base.pytestmark,
-              pytest.mark.skipif(bool(base.LM) and not os.path.isfile(os.path.join(base.LM or "", "pretrain_t5.py")),
-                                 reason=f"MEGATRON_LM_PATH={base.LM} has no top-level pretrain_bert.py / "
-                                        "pretrain_t5.py (core_v0.19 moved them to examples/ and loads their "
-                                        "tokenizer from the Hugging Face hub)")]
+pytestmark = base.pytestmark
+TOP_LEVEL = bool(base.LM) and os.path.isfile(os.path.join(base.LM, "pretrain_t5.py"))   # core_v0.16.1
 
 COMMON = ["--hidden-size", "64", "--num-attention-heads", "4", "--max-position-embeddings", "64",
           "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "1e-3", "--min-lr", "1e-4",
           "--lr-decay-style", "cosine", "--lr-decay-iters", "20", "--weight-decay", "0.01", "--clip-grad", "1.0",
           "--seed", "1234", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
-          "--tokenizer-type", "BertWordPieceLowerCase", "--legacy-tokenizer", "--split", "90,10,0",
-          "--tensor-model-parallel-size", "2"]
+          "--split", "90,10,0", "--tensor-model-parallel-size", "2"]
 BERT = ["--num-layers", "2", "--seq-length", "64"]
 T5 = ["--encoder-num-layers", "2", "--decoder-num-layers", "2", "--kv-channels", "16", "--ffn-hidden-size", "128",
       "--encoder-seq-length", "64", "--decoder-seq-length", "32", "--vocab-extra-ids", "10"]
-FAMILY = {"bert": ("pretrain_bert.py", BERT), "t5": ("pretrain_t5.py", T5)}
+FAMILY = {"bert": ("pretrain_bert.py" if TOP_LEVEL else "examples/bert/pretrain_bert.py", BERT),
+          "t5": ("pretrain_t5.py" if TOP_LEVEL else "examples/t5/pretrain_t5.py", T5)}
 
 
 def data(tmp):
     vocab = write_vocab(tmp / "vocab.txt")
     prefix = write_dataset(tmp / "docs", documents=1000)
-    return ["--vocab-file", str(vocab), "--data-path", str(prefix)]
+    if TOP_LEVEL:
+        tokenizer = ["--tokenizer-type", "BertWordPieceLowerCase", "--legacy-tokenizer", "--vocab-file", str(vocab)]
+    else:
+        pytest.importorskip("transformers", reason="core_v0.19's BERT / T5 scripts read a Hugging Face tokenizer "
+                                                   "here: pip install -e \".[sft]\"")
+        tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                     str(write_hf_tokenizer(tmp / "tokenizer", vocab))]
+    return [*tokenizer, "--data-path", str(prefix)]
 
 
 def run(family, args, tmp, name, iters, env=None):

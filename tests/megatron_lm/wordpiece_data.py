@@ -42,3 +42,16 @@ def write_dataset(prefix: Path, documents: int = 400, seed: int = 0) -> Path:
         builder.end_document()
     builder.finalize(f"{prefix}.idx")
     return prefix
+
+
+def write_hf_tokenizer(path: Path, vocab: Path, extra_ids: int = 10) -> Path:
+    """The same vocab as a Hugging Face BertTokenizerFast directory, for core_v0.19's scripts, whose
+    BertWordPiece tokenizer loads `bert-large-uncased` from the hub: `--tokenizer-type
+    HuggingFaceTokenizer --tokenizer-model <path>`. [BOS] / [EOS] and T5's `<extra_id_N>` sentinels
+    are added after the vocab (ids past the dataset's)."""
+    from transformers import BertTokenizerFast
+
+    tok = BertTokenizerFast(vocab_file=str(vocab), do_lower_case=True, bos_token="[BOS]", eos_token="[EOS]",
+                            additional_special_tokens=[f"<extra_id_{i}>" for i in range(extra_ids)])
+    tok.save_pretrained(str(path))
+    return path
