@@ -435,6 +435,12 @@ SPECS = [
     # BERT (bert_layer_specs): the TE layer spec, which pretrain_bert.py reads at import.
     *_te_name_specs("megatron.core.models.bert.bert_layer_specs",
                     ("TEDotProductAttention", "TELayerNormColumnParallelLinear", "TERowParallelLinear")),
+    # LLaVA's language model and the CLIP ViT (pretrain_vlm.py): the same TE names, which core 0.16
+    # holds as its extension's MagicMock stand-ins without TE.
+    *_te_name_specs("megatron.core.models.multimodal.llava_spec",
+                    ("TEDotProductAttention", "TELayerNormColumnParallelLinear", "TERowParallelLinear", "TENorm")),
+    *_te_name_specs("megatron.core.models.vision.vit_layer_specs",
+                    ("TEDotProductAttention", "TELayerNormColumnParallelLinear", "TERowParallelLinear")),
     PatchSpec("megatron.core.datasets.t5_dataset:T5MaskedWordPieceDataset.config_attention_mask",
               area="layer_specs", mode=WRAP, build=build_t5_masks),
     PatchSpec("megatron.core.models.bert.bert_layer_specs:HAVE_TE", area="layer_specs", build=build_have_te,
