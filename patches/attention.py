@@ -23,7 +23,8 @@ from megatron_adapt.spec import PatchSpec
 def padding_pair_mask(masks, sq, sk):
     """TE's cross-attention padding masks, a pair (query padding [b, 1, 1, sq], key padding
     [b, 1, 1, sk], True = padding; T5 passes them with the transformer_engine spec), as one bool
-    [b, 1, sq, sk] mask. A padded query's row is all masked: its output is 0, as TE gives."""
+    [b, 1, sq, sk] mask. A padded query's row is all masked: torch's math and memory-efficient SDPA
+    give 0 there (as TE), cuDNN a finite value; no real token's output reads it."""
     q_pad, kv_pad = masks
     b = q_pad.size(0)
     return q_pad.reshape(b, 1, sq, 1) | kv_pad.reshape(b, 1, 1, sk)
