@@ -129,6 +129,18 @@ def attention(q, k, v, attn_mask=None, causal=False, scale=None, dropout_p=0.0, 
         is_causal=use_causal, scale=scale, enable_gqa=k.size(1) != q.size(1))
 
 
+def attention_bias(q, k, v, bias, attn_mask=None, causal=False, scale=None, dropout_p=0.0, window_size=None):
+    """SDPA with an additive float mask: the bias, with masked positions set to the dtype's lowest
+    value (finite: a fully masked row, e.g. a padded query, stays finite). Its gradient flows to the bias."""
+    sq, sk = q.size(-2), k.size(-2)
+    mask = build_mask(sq, sk, causal, window_size, attn_mask, q.device)
+    add = bias.to(q.dtype)
+    if mask is not None:
+        add = add.masked_fill(mask, torch.finfo(q.dtype).min)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=add, dropout_p=dropout_p, scale=scale,
+                                          enable_gqa=k.size(1) != q.size(1))
+
+
 # ----------------------------------------------------------------------------- packed (thd) attention
 def thd_segments(cu_seqlens, cu_seqlens_padded, total: int, name: str = "cu_seqlens") -> list[tuple[int, int]]:
     """[(start, length)] of each packed sequence in a [T, ...] tensor, from Megatron's PackedSeqParams:

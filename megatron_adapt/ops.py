@@ -35,6 +35,13 @@ OPS: dict[str, Op] = {
         "(q[b, hq, sq, d], k[b, hkv, sk, d], v[b, hkv, sk, d], attn_mask bool True=masked "
         "broadcastable to [b, hq, sq, sk] | None, causal: bool, scale: float | None, dropout_p:"
         " float, window_size | None) -> out[b, hq, sq, d]"),
+    "attention_bias": Op(
+        ".attention:attention_bias",
+        "(q[b, hq, sq, d], k[b, hkv, sk, d], v[b, hkv, sk, d], bias float broadcastable to "
+        "[b, hq, sq, sk], attn_mask bool True=masked | None, causal: bool, scale: float | None, "
+        "dropout_p: float, window_size | None) -> out[b, hq, sq, d]: softmax(q k^T * scale + bias, "
+        "masked) v, the bias added after the scale (TE's post_scale_bias: T5's relative position "
+        "embedding); differentiable in the bias"),
     "attention_thd": Op(
         ".attention:attention_thd",
         "(q[T, hq, d], k[T, hkv, d], v[T, hkv, dv], cu_seqlens_q [n+1] int, cu_seqlens_kv [n+1] int, "

@@ -5,8 +5,10 @@ takes q/k/v as [b, h, s, d] views of Megatron's [s, b, h, d] tensors (or, with
 MEGATRON_ADAPT_ATTENTION_LAYOUT=bshd / tests_gpt's --shape_order BSH, of batch-first copies:
 the kernel then reads [b, s, h, d] memory, the layout flash kernels are written for), GQA without repeating k/v,
 causal / padding / arbitrary masks, sliding windows and dropout (under the model-parallel RNG
-tracker, as Megatron's dropout is). Softmax offsets and attention bias keep Megatron's own path,
-reported as a fallback.
+tracker, as Megatron's dropout is). An attention bias (T5's relative position embedding, added
+after the scale as TE's post_scale_bias) goes to the backend's `attention_bias` op. Softmax offsets
+and additive float masks keep Megatron's own path, reported as a fallback. TE's (query, key)
+padding-mask pair (T5's cross attention) becomes one bool mask.
 
 Packed sequences (`packed_seq_params.qkv_format == "thd"`: q/k/v [T, heads, d], Megatron's
 Attention squeezed the batch of 1) go to the backend's `attention_thd` op with the PackedSeqParams'
@@ -38,8 +40,6 @@ def build(backend, original):
     from megatron.core.transformer.enums import AttnMaskType
 
     def unsupported(self, attention_mask, attn_mask_type, attention_bias, packed_seq_params):
-        if attention_bias is not None:
-            return "attention_bias"
         if getattr(self, "softmax_offset", None) is not None:
             return "softmax offset"
         if attention_mask is not None and attention_mask.dtype.is_floating_point:
@@ -47,6 +47,7 @@ def build(backend, original):
         return None
 
     attention_thd = backend.op("attention_thd")
+    attention_bias_op = backend.op("attention_bias")
 
     def forward_thd(self, query, key, value, attn_mask_type, attention_bias, p):
         if p.qkv_format != "thd":
@@ -105,8 +106,11 @@ def build(backend, original):
         else:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         with rng:
-            # positional: the op contract's order (keyword binding costs host time per call)
-            out = attention(q, k, v, mask, causal, scale, dropout_p, window)
+            if attention_bias is not None:   # T5's relative position embedding: added after the scale
+                out = attention_bias_op(q, k, v, attention_bias, mask, causal, scale, dropout_p, window)
+            else:
+                # positional: the op contract's order (keyword binding costs host time per call)
+                out = attention(q, k, v, mask, causal, scale, dropout_p, window)
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
     return forward

@@ -21,9 +21,8 @@ are refused where the script asks for the spec, before any module is built:
 * Heterogeneous layers with the TE spec (`--heterogeneous-layers-config-path`): the spec names TE's
   classes and TE's gathered norm linear. `--transformer-impl local` builds Megatron's own modules.
 
-T5 and BERT are served (patches/layer_specs binds their specs' TE names); what T5 asks for that is
-not is refused where its model is built, before any module: `--position-embedding-type relative`
-(a learned attention bias added to the scores, which the attention here does not take).
+T5 and BERT are served: patches/layer_specs binds their specs' TE names, and T5's relative position
+embedding (an attention bias) goes to the backend's attention_bias op (patches/attention).
 """
 from __future__ import annotations
 
@@ -105,30 +104,23 @@ for _name, _check in (("offloading", offloading_refusal), ("delay_wgrad", wgrad_
 
 
 # ---------------------------------------------------------------- families refused at their spec
-T5_RELATIVE_WHY = ("T5's relative position embedding adds a learned bias to the attention scores "
-                   "(attention_bias), which megatron-adapt's attention does not take (Megatron's own "
-                   "DotProductAttention asserts it away too); use --position-embedding-type "
-                   "learned_absolute or rope")
+
 HETERO_WHY = ("the heterogeneous transformer_engine spec names Transformer Engine's classes "
               "directly (TE's gathered norm + column-parallel linear among them), not through the "
               "TESpecProvider that megatron-adapt serves; --transformer-impl local builds "
               "Megatron's own modules")
 
 
-def _spec_refusal(what: str, why: str, when=None):
+def _spec_refusal(what: str, why: str, when: str | None = None):
     """A wrapper refusing every call, or (`when`: a parameter name of the spec function) the calls
-    in which that parameter, as bound with its default, is true; `when` may also be a
-    (parameter, value) pair: refused where the parameter equals the value."""
+    in which that parameter, as bound with its default, is true."""
     def build(backend, original):
         if start_checks.te_installed():
             raise SkipPatch("Transformer Engine is installed: its modules serve this spec")
         signature = inspect.signature(original)
 
         def refuse_spec(wrapped, instance, args, kwargs):
-            name, value = when if isinstance(when, tuple) else (when, None)
-            call = (instance, *args) if instance is not None else args  # a method: self is bound
-            bound = _bound(signature, call, kwargs).get(name) if name else True
-            if name is None or (bound == value if isinstance(when, tuple) else bound):
+            if when is None or _bound(signature, args, kwargs).get(when):
                 start_checks.refuse(f"{what}: {where(backend)} cannot build it: {why}.")
             return wrapped(*args, **kwargs)
         return refuse_spec
@@ -145,7 +137,6 @@ def _bound(signature, args, kwargs) -> dict:
 
 
 GPT_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
-T5_MODEL = "megatron.core.models.T5.t5_model"
 HETERO = "megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs"
 
 SPECS = [
@@ -153,9 +144,6 @@ SPECS = [
               build=build_args_check, optional=True),
     PatchSpec("megatron.core.transformer.transformer_config:TransformerConfig.__post_init__",
               area=AREA, mode=WRAP, build=build_config_check),
-    PatchSpec(f"{T5_MODEL}:T5Model.__init__", area=AREA, mode=WRAP,
-              build=_spec_refusal("T5 with --position-embedding-type relative", T5_RELATIVE_WHY,
-                                  when=("position_embedding_type", "relative"))),
     # megatron-core users who build the local spec for MLA (the config check sees transformer_impl
     # only). From 0.17 get_gpt_layer_local_spec(*args, **kwargs) delegates to the submodules builder.
     PatchSpec(f"{GPT_SPECS}:get_gpt_layer_local_spec", area=AREA, mode=WRAP,

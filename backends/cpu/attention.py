@@ -8,6 +8,11 @@ def attention(q, k, v, attn_mask=None, causal=False, scale=None, dropout_p=0.0, 
     return reference.attention(q, k, v, attn_mask, causal, scale, dropout_p, window_size)
 
 
+def attention_bias(q, k, v, bias, attn_mask=None, causal=False, scale=None, dropout_p=0.0, window_size=None):
+    report.ran("attention_bias", "cpu.torch.sdpa")
+    return reference.attention_bias(q, k, v, bias, attn_mask, causal, scale, dropout_p, window_size)
+
+
 def attention_thd(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
                   causal=True, scale=None, dropout_p=0.0, window_size=None):
     report.ran("attention_thd", "cpu.torch.sdpa.per_sequence")

@@ -130,6 +130,35 @@ def attention(q, k, v, attn_mask=None, causal=False, scale=None, dropout_p=0.0, 
                  enable_gqa=gqa)
 
 
+def attention_bias(q, k, v, bias, attn_mask=None, causal=False, scale=None, dropout_p=0.0, window_size=None):
+    """The bias as SDPA's additive mask, on the memory-efficient kernel (it returns the mask's
+    gradient; flash takes no mask), math where that kernel cannot take the inputs (reported)."""
+    sq, sk = q.size(-2), k.size(-2)
+    mask = build_mask(sq, sk, causal, window_size, attn_mask, q.device)
+    add = bias.to(q.dtype)
+    if mask is not None:
+        add = add.masked_fill(mask, torch.finfo(q.dtype).min)
+    gqa = k.size(1) != q.size(1)
+    path = "math"
+    if q.device.type == "cuda" and sdpa_kernel is not None:
+        try:
+            params = torch.backends.cuda.SDPAParams(q, k, v, add, dropout_p, False, gqa)
+            path = "efficient" if torch.backends.cuda.can_use_efficient_attention(params, False) else "math"
+        except (TypeError, AttributeError, RuntimeError):
+            path = "math"
+    impl = f"cuda.sdpa.{path}"
+    if path == "math" and q.device.type == "cuda":
+        report.fell_back("attention_bias", impl, f"the memory-efficient SDPA kernel does not take these "
+                         f"inputs (dtype {q.dtype}, head dim {q.size(-1)})")
+    else:
+        report.ran("attention_bias", impl)
+    backends = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH] if sdpa_kernel is not None else None
+    ctx = sdpa_kernel(backends) if backends else _context()
+    with ctx:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=add, dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=gqa)
+
+
 def _padded_index(segs, device):
     """[n, L] source rows of each sequence, padded by repeating its last row, and the valid mask."""
     n, longest = len(segs), max(length for _, length in segs)

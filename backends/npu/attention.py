@@ -109,6 +109,14 @@ def _bsh(t):
     return t.transpose(1, 2).reshape(t.size(0), t.size(2), t.size(1) * t.size(3))
 
 
+def attention_bias(q, k, v, bias, attn_mask=None, causal=False, scale=None, dropout_p=0.0, window_size=None):
+    """Reported reference: npu_fusion_attention's `pse` adds a bias, but whether its backward
+    returns the bias's gradient for every layout has not been checked on an Ascend NPU here."""
+    report.fell_back("attention_bias", FALLBACK, "a learned attention bias (pse) is served by the "
+                     "reference: npu_fusion_attention's pse gradient is unverified here")
+    return reference.attention_bias(q, k, v, bias, attn_mask, causal, scale, dropout_p, window_size)
+
+
 def _batch_first(t) -> bool:
     """A view of contiguous [b, s, h, d] memory that is not also one of [s, b, h, d] (b == 1)."""
     return t.transpose(1, 2).is_contiguous() and not t.permute(2, 0, 1, 3).is_contiguous()

@@ -81,6 +81,15 @@ def test_stock_tp2_trains_saves_and_resumes(tmp_path, family):
     assert abs(second.losses[11] - first.losses[10]) < 0.25, (first.losses, second.losses)
 
 
+def test_t5_relative_position_embedding_trains(tmp_path):
+    """--position-embedding-type relative: Megatron refuses it with --transformer-impl local; with the
+    served TE spec its bias goes to the backend's attention_bias op (encoder and decoder self attention)."""
+    r = run("t5", ["--position-embedding-type", "relative"], tmp_path, "t5_relative", iters=10)
+    base.assert_loss_falls(r, by=0.2)
+    op = r.ops["attention_bias"]
+    assert op["implementation"] == "cpu.torch.sdpa" and op["calls"] > 0 and not op["fallback_reason"], op
+
+
 def test_t5_te_spec_matches_megatrons_local_path(tmp_path):
     """Dropout 0, same seed and data: the served TE spec (TE 1.10's masks) against Megatron's local
     spec on Megatron's own attention ([b, 1, sq, sk] masks)."""

@@ -6,11 +6,9 @@ the backend and the reason (patches/start_checks.py). Each launch takes ~10-20 s
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from test_pretrain_gpt import LM, NEEDS_CHECKOUT, TINY_GPT, launch, pretrain, pytestmark  # noqa: F401 (conftest reads them)
+from test_pretrain_gpt import NEEDS_CHECKOUT, TINY_GPT, pretrain, pytestmark  # noqa: F401 (conftest reads them)
 
 BUILT = "number of parameters on (tensor, pipeline) model parallel rank"
 
@@ -33,22 +31,3 @@ def assert_refused_at_start(run, expected: str):
 ], ids=["cpu_offloading", "delay_wgrad_compute"])
 def test_pretrain_gpt_flag_refused_at_start(tmp_path, flags, expected):
     assert_refused_at_start(pretrain(flags, tmp_path, "refused", iters=3), expected)
-
-
-def _script(*candidates):
-    for c in candidates:
-        if os.path.isfile(os.path.join(LM, c)):
-            return c
-    pytest.skip(f"none of {candidates} in {LM}")
-
-
-def test_pretrain_t5_relative_position_embedding_refused_before_model_build(tmp_path):
-    """T5 is served; its relative position embedding (an attention bias) is not: refused where the
-    model is built, before any module exists."""
-    from test_pretrain_bert_t5 import COMMON, T5, data
-
-    script = _script("pretrain_t5.py", "examples/t5/pretrain_t5.py")
-    run = launch(script, [*COMMON, *T5, *data(tmp_path), "--train-iters", "3", "--position-embedding-type",
-                          "relative"], tmp_path, "t5_relative")
-    assert_refused_at_start(run, "T5 with --position-embedding-type relative: the cpu backend cannot build "
-                                 "it: T5's relative position embedding adds a learned bias")

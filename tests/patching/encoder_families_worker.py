@@ -207,5 +207,86 @@ def _():
                                    if "final_layernorm" in n})}
 
 
-results["op_counts"] = {op: dict(c) for op, c in report.op_counts().items()}
+def explicit_attention(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                       packed_seq_params=None):
+    """softmax(q k^T * scale + bias, masked) v written out in fp32: the reference for T5's relative
+    position bias (Megatron's own DotProductAttention asserts a bias away)."""
+    from megatron.core.transformer.enums import AttnMaskType
+    q, k, v = (t.float().permute(1, 2, 0, 3) for t in (query, key, value))    # [b, h, s, d]
+    s = q @ k.transpose(-1, -2) * self.softmax_scale
+    if attention_bias is not None:
+        s = s + attention_bias.float()
+    sq, sk = s.shape[-2:]
+    mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+    masked = torch.zeros(sq, sk, dtype=torch.bool, device=s.device)
+    if mask_type == AttnMaskType.causal:
+        masked = torch.triu(torch.ones_like(masked), diagonal=1)
+    elif attention_mask is not None:
+        if isinstance(attention_mask, tuple):
+            qm, km = attention_mask
+            attention_mask = qm.reshape(qm.size(0), 1, sq, 1) | km.reshape(km.size(0), 1, 1, sk)
+        masked = masked | attention_mask
+    p = torch.softmax(s.masked_fill(masked, -1e30), -1)
+    out = (p @ v.float()).to(query.dtype)                      # [b, h, sq, d]
+    return out.permute(2, 0, 1, 3).reshape(sq, out.size(0), -1)
+
+
+@check("t5_relative")
+def _():
+    """T5 with --position-embedding-type relative from the TE spec: the bias through the backend's
+    attention_bias op against the same model on explicit_attention."""
+    import types
+
+    from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset
+    from megatron.core.models.T5 import t5_spec
+    from megatron.core.models.T5.t5_model import T5Model
+
+    cfg = config()
+    vocab, s_enc, s_dec, b = 96, 16, 8, 3
+
+    def build():
+        torch.manual_seed(1)
+        model_parallel_cuda_manual_seed(1)
+        return T5Model(config=cfg, encoder_config=cfg,
+                       transformer_encoder_layer_spec=t5_spec.get_t5_encoder_with_transformer_engine_block_spec(2),
+                       transformer_decoder_layer_spec=t5_spec.get_t5_decoder_with_transformer_engine_block_spec(2),
+                       vocab_size=vocab, max_sequence_length=s_enc, parallel_output=True,
+                       share_embeddings_and_output_weights=True, position_embedding_type="relative").to(DEVICE)
+
+    served, ref = build(), build()
+    with torch.no_grad():
+        for (_, a), (_, r) in zip(served.named_parameters(), ref.named_parameters()):
+            r.copy_(a)
+    n = 0
+    for m in ref.modules():
+        if type(m).__name__ == "AdaptDotProductAttention":
+            m.forward = types.MethodType(explicit_attention, m)
+            n += 1
+    g = torch.Generator().manual_seed(4)
+    enc = torch.randint(5, vocab, (b, s_enc), generator=g)
+    dec = torch.randint(5, vocab, (b, s_dec), generator=g)
+    enc_pad = torch.stack([torch.arange(s_enc) >= n_ for n_ in (s_enc, s_enc - 6, s_enc - 3)])
+    dec_pad = torch.stack([torch.arange(s_dec) >= n_ for n_ in (s_dec, s_dec - 3, s_dec - 1)])
+    labels = torch.randint(5, vocab, (b, s_dec), generator=g).to(DEVICE)
+    real = ~dec_pad.to(DEVICE)
+    masks = T5MaskedWordPieceDataset.config_attention_mask(enc, dec, enc_pad, dec_pad, False)
+    masks = [None if m is None else (tuple(x.to(DEVICE) for x in m) if isinstance(m, tuple) else m.to(DEVICE))
+             for m in masks]
+    out = {}
+    results["op_counts"] = {op: dict(c) for op, c in report.op_counts().items()}   # BERT's and T5's
+    report.reset_op_counts()
+    for side, model in (("served", served), ("ref", ref)):
+        loss = model(enc.to(DEVICE), dec.to(DEVICE), *masks, lm_labels=labels)
+        loss[real].mean().backward()
+        out[side] = loss.detach()
+    counts = {op: dict(c) for op, c in report.op_counts().items()}
+    grads = {name: (p.grad, r.grad) for (name, p), (_, r) in zip(served.named_parameters(), ref.named_parameters())}
+    bias_grads = {k: v[0].abs().max().item() for k, v in grads.items() if "relative_pos_emb" in k}
+    worst = max(((a - r).abs().max().item() / max(r.abs().max().item(), 1e-6), k) for k, (a, r) in grads.items()
+                if a is not None)
+    return {"loss_diff": (out["served"][real] - out["ref"][real]).abs().max().item(), "grad_rel_diff": worst[0],
+            "grad_worst": worst[1], "reference_modules": n, "bias_grad_max": bias_grads,
+            "attention_bias_calls": counts.get("attention_bias", {})}
+
+
 print(json.dumps(results))

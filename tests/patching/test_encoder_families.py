@@ -1,6 +1,8 @@
 """BERT and T5 from their transformer_engine layer specs without TE (patches/layer_specs), against
 Megatron's local specs on Megatron's own attention, with the same weights: per-token loss on real
 tokens within 1e-5 and every parameter's gradient within 1e-4 relative (fp32; both land near 5e-7).
+T5 with --position-embedding-type relative (a learned attention bias, which Megatron's own
+DotProductAttention does not take) against the same model on attention written out in fp32.
 
 T5's TE spec gets TE 1.10's mask layout ([b, 1, 1, s] padding masks, a causal decoder, a (query, key)
 padding pair for cross attention); the local spec gets [b, 1, sq, sk] masks. The cpu backend, and
@@ -49,6 +51,19 @@ def test_t5_gets_te_mask_layout_and_keeps_its_final_norms(backend):
                                    "local": [[3, 1, 16, 16], [3, 1, 8, 8], [3, 1, 8, 16]]}, res
     assert res["final_norms"] == ["decoder.final_layernorm.bias", "decoder.final_layernorm.weight",
                                   "encoder.final_layernorm.bias", "encoder.final_layernorm.weight"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_t5_relative_position_bias_matches_explicit_attention(backend):
+    """--position-embedding-type relative: the learned bias through the backend's attention_bias op
+    against the same model on attention written out in fp32; the bias tables get gradients."""
+    res = result(backend)["t5_relative"]
+    assert "error" not in res, res.get("error")
+    assert res["loss_diff"] <= 1e-5 and res["grad_rel_diff"] <= 1e-4, res
+    assert res["reference_modules"] == 6, res          # 2 encoder + 2 x 2 decoder layers
+    assert all(g > 0 for g in res["bias_grad_max"].values()) and len(res["bias_grad_max"]) == 2, res
+    impl = {"cpu": "cpu.torch.sdpa", "npu": "npu.torch.sdpa (reference)"}[backend]
+    assert res["attention_bias_calls"] == {impl: 4}, res   # encoder and decoder self attention
 
 
 def test_bert_uses_megatrons_b1ss_padding_mask():
