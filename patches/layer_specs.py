@@ -377,6 +377,37 @@ def build_te_name(name):
     return build
 
 
+def build_gathered_norm_linear(backend, original):
+    """TELayerNormColumnParallelLinearGathered, the heterogeneous spec's `replace_with_linear`
+    attention / MLP: hidden -> hidden through the provider's fused norm + column-parallel linear,
+    its tensor-parallel output gathered (reduce-scattered under sequence parallelism) by Megatron's
+    own helper, as TE's class does."""
+    _require_no_te(None)
+    key = f"{backend.name}+gathered"
+    if key not in _built:
+        from megatron.core.transformer.heterogeneous import linear_replacements
+
+        class AdaptLayerNormColumnParallelLinearGathered(build_norm_linear_class(backend)):
+            def __init__(self, config, tp_comm_buffer_name=None, *args, **kwargs):
+                if getattr(config, "fp8", None):
+                    from megatron_adapt.errors import UnsupportedFeatureError
+                    raise UnsupportedFeatureError(
+                        f"fp8={config.fp8!r} with a heterogeneous block replaced by a linear "
+                        f"(replace_with_linear): the {backend.name} backend runs that gathered linear "
+                        "in fp8 nowhere; use fp8 without replace_with_linear blocks")
+                super().__init__(config.hidden_size, config.hidden_size, config=config,
+                                 init_method=config.init_method, gather_output=False,
+                                 bias=config.add_bias_linear, skip_bias_add=False, is_expert=False,
+                                 tp_comm_buffer_name=tp_comm_buffer_name)
+
+            def forward(self, x, **kwargs):
+                out, bias = super().forward(x)
+                return linear_replacements._gather_from_tensor_parallel_region(out, self.config), bias
+
+        _built[key] = AdaptLayerNormColumnParallelLinearGathered
+    return _built[key]
+
+
 def build_have_te(backend, original):
     """bert_layer_specs' TE spec functions raise ImportError unless its HAVE_TE is true; every TE
     name they read is bound to the provider's module (TE_NAMES), so they may run."""
@@ -441,6 +472,12 @@ SPECS = [
                     ("TEDotProductAttention", "TELayerNormColumnParallelLinear", "TERowParallelLinear", "TENorm")),
     *_te_name_specs("megatron.core.models.vision.vit_layer_specs",
                     ("TEDotProductAttention", "TELayerNormColumnParallelLinear", "TERowParallelLinear")),
+    # Heterogeneous layers (--heterogeneous-layers-config-path, Nemotron-NAS style): the same names,
+    # and TE's gathered norm + linear for the blocks replaced by a linear.
+    *_te_name_specs("megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs", TE_NAMES),
+    PatchSpec("megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs:"
+              "TELayerNormColumnParallelLinearGathered", area="layer_specs", build=build_gathered_norm_linear,
+              create=True),
     PatchSpec("megatron.core.datasets.t5_dataset:T5MaskedWordPieceDataset.config_attention_mask",
               area="layer_specs", mode=WRAP, build=build_t5_masks),
     PatchSpec("megatron.core.models.bert.bert_layer_specs:HAVE_TE", area="layer_specs", build=build_have_te,

@@ -15,14 +15,8 @@ Megatron-LM's `set_global_variables` (right after argument validation) and from
   served through the transformer_engine spec. Refused also where a megatron-core user asks the
   local spec builder for MLA (`get_gpt_layer_local_spec(multi_latent_attention=True)`).
 
-Model families whose layer specs name TE's classes directly (not through the TESpecProvider seam)
-are refused where the script asks for the spec, before any module is built:
-
-* Heterogeneous layers with the TE spec (`--heterogeneous-layers-config-path`): the spec names TE's
-  classes and TE's gathered norm linear. `--transformer-impl local` builds Megatron's own modules.
-
-T5 and BERT are served: patches/layer_specs binds their specs' TE names, and T5's relative position
-embedding (an attention bias) goes to the backend's attention_bias op (patches/attention).
+Model families whose layer specs name TE's classes directly (T5, BERT, LLaVA / ViT, heterogeneous
+layers) are served, not refused: patches/layer_specs binds those names to the provider's modules.
 """
 from __future__ import annotations
 
@@ -103,13 +97,7 @@ for _name, _check in (("offloading", offloading_refusal), ("delay_wgrad", wgrad_
         from_config=lambda backend, config, _check=_check: _check(backend, _settings_of(config)))
 
 
-# ---------------------------------------------------------------- families refused at their spec
-
-HETERO_WHY = ("the heterogeneous transformer_engine spec names Transformer Engine's classes "
-              "directly (TE's gathered norm + column-parallel linear among them), not through the "
-              "TESpecProvider that megatron-adapt serves; --transformer-impl local builds "
-              "Megatron's own modules")
-
+# ---------------------------------------------------------------- refused at a spec function
 
 def _spec_refusal(what: str, why: str, when: str | None = None):
     """A wrapper refusing every call, or (`when`: a parameter name of the spec function) the calls
@@ -137,7 +125,6 @@ def _bound(signature, args, kwargs) -> dict:
 
 
 GPT_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
-HETERO = "megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs"
 
 SPECS = [
     PatchSpec("megatron.training.global_vars:set_global_variables", area=AREA, mode=WRAP,
@@ -152,7 +139,4 @@ SPECS = [
     PatchSpec(f"{GPT_SPECS}:get_gpt_layer_local_submodules", area=AREA, mode=WRAP, versions=">=0.17.0,<0.20.0",
               build=_spec_refusal("get_gpt_layer_local_submodules(multi_latent_attention=True)", MLA_LOCAL_WHY,
                                   when="multi_latent_attention")),
-    PatchSpec(f"{HETERO}:get_gpt_heterogeneous_layer_spec", area=AREA, mode=WRAP,
-              build=_spec_refusal("--heterogeneous-layers-config-path with --transformer-impl "
-                                  "transformer_engine", HETERO_WHY, when="use_te")),
 ]

@@ -22,7 +22,14 @@ def _free_port():
 
 @lru_cache(maxsize=None)
 def consumers():
-    out = run_python([CONSUMERS], env={"PROBE_PORT": _free_port()}).stdout
+    for _ in range(3):   # a free port can be taken by another process before the worker binds it
+        proc = run_python([CONSUMERS], env={"PROBE_PORT": _free_port()}, check=False)
+        if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr:
+            break
+    if proc.returncode != 0:
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\nSTDOUT:\n{proc.stdout[-4000:]}\n"
+                             f"STDERR:\n{proc.stderr[-6000:]}")
+    out = proc.stdout
     line = next(l for l in out.splitlines() if l.startswith("PROBE-JSON:"))
     return json.loads(line[len("PROBE-JSON:"):])
 

@@ -1,6 +1,7 @@
-"""BERT and T5 from their transformer_engine specs, served without TE, against Megatron's local specs.
+"""BERT, T5 and heterogeneous GPT from their transformer_engine specs, served without TE, against
+Megatron's local specs.
 
-Run as `python encoder_families_worker.py <backend>`; prints one JSON line. For each family the same
+Run as `python te_spec_families_worker.py <backend>`; prints one JSON line. For each family the same
 weights go into the model built from the TE spec (served by patches/layer_specs: the provider's
 fused norm + linear, attention and norm bound to the spec module's TE names) and into the model
 built from Megatron's local spec (its own modules, the reference path). Parameter names differ only
@@ -39,8 +40,11 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 dist.init_process_group("gloo")
 parallel_state.initialize_model_parallel(1, 1)
 DEVICE = torch.device("cuda", 0) if BACKEND == "cuda" else "cpu"  # the npu emulation runs on CPU tensors
-FUSED_NORM = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-              "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+# Megatron's sharded_state_dict_keys_map: the local spec's separate norms are the TE spec's fused
+# norm + linear (for a heterogeneous block replaced by a linear, that linear is the whole block).
+FUSED_NORM = [{"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+               "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"},
+              {"input_layernorm.": "self_attention.layer_norm_", "pre_mlp_layernorm.": "mlp.layer_norm_"}]
 results = {}
 
 
@@ -52,16 +56,20 @@ def config(**kw):
     return TransformerConfig(**base)
 
 
-def te_name(local_name: str) -> str:
-    for old, new in FUSED_NORM.items():
-        local_name = local_name.replace(old, new)
+def te_name(local_name: str, te_names) -> str:
+    for fused in FUSED_NORM:
+        name = local_name
+        for old, new in fused.items():
+            name = name.replace(old, new)
+        if name in te_names:
+            return name
     return local_name
 
 
 def copy_weights(local, te):
     te_params = dict(te.named_parameters())
     local_params = dict(local.named_parameters())
-    mapped = {te_name(n): n for n in local_params}
+    mapped = {te_name(n, te_params): n for n in local_params}
     missing = sorted(set(te_params) ^ set(mapped))
     if missing:
         raise AssertionError(f"parameter names differ beyond the fused norms: {missing}")
@@ -205,6 +213,57 @@ def _():
             "mask_layouts": layouts,
             "final_norms": sorted({re.sub(r"^.*?(encoder|decoder)\.", r"\1.", n) for n in names
                                    if "final_layernorm" in n})}
+
+
+@check("heterogeneous")
+def _():
+    """--heterogeneous-layers-config-path: per-layer attention (GQA), a no-op attention, attention
+    and MLP replaced by a linear (TE's gathered norm + linear), per-layer FFN sizes."""
+    import tempfile
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import get_gpt_heterogeneous_layer_spec
+    from megatron.core.transformer.heterogeneous.heterogeneous_config import HeterogeneousTransformerConfig
+
+    def block(attention, mlp):
+        a = {"no_op": attention == "no_op", "replace_with_linear": attention == "linear",
+             "num_query_groups": 2 if attention == "gqa" else None}
+        m = {"no_op": False, "replace_with_linear": mlp == "linear", "ffn_hidden_size": None if mlp == "linear" else mlp}
+        return {"attention": a, "mlp": m}
+
+    layers = [block("gqa", 96), block("no_op", 160), block("linear", "linear"), block("gqa", 64)]
+    vocab, s, b = 96, 16, 2
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "hetero.json")
+        with open(path, "w") as f:
+            json.dump({"block_configs": layers}, f)
+        cfg = HeterogeneousTransformerConfig(
+            num_layers=4, hidden_size=32, num_attention_heads=4, add_bias_linear=False, normalization="RMSNorm",
+            gated_linear_unit=True, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+            bias_activation_fusion=False, heterogeneous_layers_config_path=path)
+
+        def build(use_te):
+            torch.manual_seed(1)
+            model_parallel_cuda_manual_seed(1)
+            return GPTModel(cfg, get_gpt_heterogeneous_layer_spec(cfg, use_te=use_te), vocab_size=vocab,
+                            max_sequence_length=s, position_embedding_type="rope").to(DEVICE)
+
+        te, local = build(True), megatron_attention(build(False))
+    mapped = copy_weights(local, te)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, vocab, (b, s), generator=g).to(DEVICE)
+    pos = torch.arange(s, device=DEVICE).expand(b, s)
+    mask = torch.ones(b, 1, s, s, dtype=torch.bool, device=DEVICE).triu(1)
+    out = {}
+    for side, model in (("te", te), ("local", local)):
+        loss = model(tokens, pos, mask, labels=tokens)
+        loss.float().mean().backward()
+        out[side] = loss.detach()
+    worst, where = grad_diff(local, te, mapped)
+    return {"loss_diff": (out["te"] - out["local"]).abs().max().item(), "grad_rel_diff": worst, "grad_worst": where,
+            "loss": out["local"].float().mean().item(), "te_modules": modules_of(te),
+            "layer_kinds": [type(layer.self_attention).__name__ + "/" + type(layer.mlp).__name__
+                            for layer in te.decoder.layers]}
 
 
 def explicit_attention(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,

@@ -1,4 +1,4 @@
-"""BERT and T5 from their transformer_engine layer specs without TE (patches/layer_specs), against
+"""BERT, T5 and heterogeneous GPT from their transformer_engine layer specs without TE (patches/layer_specs), against
 Megatron's local specs on Megatron's own attention, with the same weights: per-token loss on real
 tokens within 1e-5 and every parameter's gradient within 1e-4 relative (fp32; both land near 5e-7).
 T5 with --position-embedding-type relative (a learned attention bias, which Megatron's own
@@ -17,7 +17,7 @@ import pytest
 from adapt_testutil import run_python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "encoder_families_worker.py")
+WORKER = os.path.join(HERE, "te_spec_families_worker.py")
 EMULATION = os.path.join(os.path.dirname(HERE), "npu", "emulation")
 
 
@@ -42,6 +42,18 @@ def test_te_spec_matches_megatrons_local_spec(backend, family):
     assert 3.0 < res["loss"] < 6.0, res   # ~ln(96): a real loss, not zeros
     modules = res["te_modules"]
     assert "AdaptDotProductAttention" in modules and "AdaptLayerNormColumnParallelLinear" in modules, modules
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_heterogeneous_te_spec_matches_megatrons_local_spec(backend):
+    """Per-layer GQA, a no-op attention, attention and MLP replaced by TE's gathered norm + linear
+    (served by AdaptLayerNormColumnParallelLinearGathered), per-layer FFN sizes."""
+    res = result(backend)["heterogeneous"]
+    assert "error" not in res, res.get("error")
+    assert res["loss_diff"] <= 1e-5 and res["grad_rel_diff"] <= 1e-4, res
+    assert res["layer_kinds"] == ["SelfAttention/MLP", "IdentityOp/MLP",
+                                  "AdaptLayerNormColumnParallelLinearGathered/AdaptLayerNormColumnParallelLinearGathered",
+                                  "SelfAttention/MLP"], res
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -74,4 +86,4 @@ def test_bert_uses_megatrons_b1ss_padding_mask():
 def test_attention_served_by_the_backend(backend, impl):
     counts = result(backend)["op_counts"]["attention"]
     assert set(counts) == {impl}, counts
-    assert sum(counts.values()) == 8   # the TE-spec models: BERT 2 layers, T5 2 encoder + 2 x 2 decoder
+    assert sum(counts.values()) == 10   # TE-spec models: BERT 2 layers, T5 2 + 2 x 2, heterogeneous 2
