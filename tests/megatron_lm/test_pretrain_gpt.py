@@ -133,10 +133,10 @@ def ranks_printed(run: Run, t: str, p: str) -> bool:
     return re.search(rf"\[ t {t}, (?:\w+ \d+/\d+, )*p {p} \]", run.out) is not None
 
 
-# Modules pretrain_gpt.py never imports: their patches stay pending (CLIP-ViT: multimodal models;
-# T5 and BERT specs: refused families, patches/start_checks.py; core_v0.16.1's pretrain_gpt.py
-# imports no Mamba module).
-NOT_IMPORTED_BY_GPT = ("megatron.core.models.vision.", "megatron.core.models.T5.", "megatron.core.models.bert.",
+# Modules pretrain_gpt.py never imports: their patches stay pending (CLIP-ViT, LLaVA: multimodal
+# models; the T5 and BERT specs and T5's dataset; core_v0.16.1's pretrain_gpt.py imports no Mamba module).
+NOT_IMPORTED_BY_GPT = ("megatron.core.models.vision.", "megatron.core.models.multimodal.", "megatron.core.models.T5.",
+                       "megatron.core.models.bert.", "megatron.core.datasets.t5_dataset",
                        "megatron.core.ssm.", "megatron.core.models.mamba.")
 
 
