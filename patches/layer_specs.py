@@ -7,7 +7,12 @@ attention specs never bind those names (they import them only when `transformer_
 and moe_module_specs imports TE's provider class, whose modules are not there. This area binds
 those names to megatron-adapt's provider and norm (creating them where Megatron left them
 unbound; where TE's unusable provider class is bound, every Megatron alias of it is rebound).
-The `transformer_engine` package is not faked: HAVE_TE stays False, no TE module is imported.
+The `transformer_engine` package is not faked: HAVE_TE stays False and no TE module is imported;
+the one exception is bert_layer_specs' own HAVE_TE, which guards only its TE spec functions.
+
+Other families' specs (T5, BERT, LLaVA / ViT, heterogeneous layers) name TE's classes as module
+globals instead of asking a provider: each such name is bound to the provider's module for it
+(TE_NAMES), and TE's gathered norm + linear of heterogeneous blocks to a subclass of the fused one.
 
 The provider keeps the TE spec's structure and parameter names, so a model built from it has the
 state-dict keys of a TE-built one (`linear_qkv.layer_norm_weight`, ...):
