@@ -491,3 +491,25 @@ def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_typ
         out = _Ring.apply(qa, ka, va, pa, da, pa, da, causal, scale, window_size, group_list[1], dropout_p, seed,
                           blocks)
     return _AllToAll.apply(out, a2a, False)
+
+
+MATH_WHY = ("context parallelism runs its attention blocks in torch math with the scores materialised "
+            "(backends/context_parallel.py)")
+DROPOUT_WHY = ("attention dropout under context parallelism: the fused blocks cannot replay the kernel's "
+               "dropout masks in the ring's backward")
+
+
+def served_attention_cp(blocks, why, fused_impl, math_impl, q, k, v, pos, doc, causal, scale, window_size,
+                        groups, comm_type, dropout_p=0.0):
+    """attention_cp on a backend's fused `blocks` (reported `<fused_impl>.<comm_type>`), or, where `why`
+    (the backend's reason they cannot take these inputs) or dropout rules them out, on MathBlocks,
+    reported as a fallback (`<math_impl>.<comm_type>`)."""
+    from megatron_adapt import report
+    why = why or (DROPOUT_WHY if dropout_p else None)
+    if why:
+        report.fell_back("attention_cp", f"{math_impl}.{comm_type}", f"{MATH_WHY}: {why}")
+        blocks = None
+    else:
+        report.ran("attention_cp", f"{fused_impl}.{comm_type}")
+    return attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type, dropout_p, blocks=blocks)
+

@@ -129,16 +129,19 @@ def attention(q, k, v, attn_mask=None, causal=False, scale=None, dropout_p=0.0, 
         is_causal=use_causal, scale=scale, enable_gqa=k.size(1) != q.size(1))
 
 
-def attention_bias(q, k, v, bias, attn_mask=None, causal=False, scale=None, dropout_p=0.0, window_size=None):
-    """SDPA with an additive float mask: the bias, with masked positions set to the dtype's lowest
-    value (finite: a fully masked row, e.g. a padded query, stays finite). Its gradient flows to the bias."""
-    sq, sk = q.size(-2), k.size(-2)
-    mask = build_mask(sq, sk, causal, window_size, attn_mask, q.device)
+def bias_mask(q, k, bias, attn_mask, causal, window_size):
+    """SDPA's additive float mask for attention_bias: the bias in q's dtype, masked positions at the
+    dtype's lowest value (finite: a fully masked row, e.g. a padded query, stays finite). The bias
+    gets its gradient through it."""
+    mask = build_mask(q.size(-2), k.size(-2), causal, window_size, attn_mask, q.device)
     add = bias.to(q.dtype)
-    if mask is not None:
-        add = add.masked_fill(mask, torch.finfo(q.dtype).min)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=add, dropout_p=dropout_p, scale=scale,
-                                          enable_gqa=k.size(1) != q.size(1))
+    return add if mask is None else add.masked_fill(mask, torch.finfo(q.dtype).min)
+
+
+def attention_bias(q, k, v, bias, attn_mask=None, causal=False, scale=None, dropout_p=0.0, window_size=None):
+    """SDPA with the bias as its additive mask (bias_mask)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias_mask(q, k, bias, attn_mask, causal, window_size),
+                                          dropout_p=dropout_p, scale=scale, enable_gqa=k.size(1) != q.size(1))
 
 
 # ----------------------------------------------------------------------------- packed (thd) attention

@@ -417,8 +417,6 @@ def build_have_te(backend, original):
     """bert_layer_specs' TE spec functions raise ImportError unless its HAVE_TE is true; every TE
     name they read is bound to the provider's module (TE_NAMES), so they may run."""
     _require_no_te(None)
-    if original:
-        raise SkipPatch(TE_PRESENT)
     return True
 
 
@@ -429,11 +427,13 @@ def build_t5_masks(backend, original):
     1.7". The served TE spec takes TE 1.10's layout (patches/attention: [b, 1, 1, s] padding masks,
     a causal decoder, a (query, key) padding pair for cross attention): asked for the TE spec's
     masks (use_local false) with no test version, it gets them for TE 1.10."""
+    import inspect
+
     _require_no_te(None)
+    signature = inspect.signature(getattr(original, "__func__", original))   # a staticmethod: its function
 
     def te_layout(wrapped, instance, args, kwargs):
-        import inspect
-        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
         if not bound.arguments.get("use_local") and bound.arguments.get("test_te_version") is None:
             bound.arguments["test_te_version"] = "1.10.0"
         return wrapped(*bound.args, **bound.kwargs)

@@ -133,11 +133,7 @@ def attention(q, k, v, attn_mask=None, causal=False, scale=None, dropout_p=0.0, 
 def attention_bias(q, k, v, bias, attn_mask=None, causal=False, scale=None, dropout_p=0.0, window_size=None):
     """The bias as SDPA's additive mask, on the memory-efficient kernel (it returns the mask's
     gradient; flash takes no mask), math where that kernel cannot take the inputs (reported)."""
-    sq, sk = q.size(-2), k.size(-2)
-    mask = build_mask(sq, sk, causal, window_size, attn_mask, q.device)
-    add = bias.to(q.dtype)
-    if mask is not None:
-        add = add.masked_fill(mask, torch.finfo(q.dtype).min)
+    add = reference.bias_mask(q, k, bias, attn_mask, causal, window_size)
     gqa = k.size(1) != q.size(1)
     path = "math"
     if q.device.type == "cuda" and sdpa_kernel is not None:
@@ -152,9 +148,7 @@ def attention_bias(q, k, v, bias, attn_mask=None, causal=False, scale=None, drop
                          f"inputs (dtype {q.dtype}, head dim {q.size(-1)})")
     else:
         report.ran("attention_bias", impl)
-    backends = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH] if sdpa_kernel is not None else None
-    ctx = sdpa_kernel(backends) if backends else _context()
-    with ctx:
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if sdpa_kernel is not None else _context():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=add, dropout_p=dropout_p, scale=scale,
                                               enable_gqa=gqa)
 
@@ -379,19 +373,7 @@ FlashBlocks = context_parallel.PieceBlocks(
     ring's final output and log-sum-exp. A block with no such cover, or dropout, takes the math."""
 
 
-CP_WHY = ("context parallelism runs its attention blocks in torch math with the scores materialised "
-          "(backends/context_parallel.py)")
-
-
 def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type, dropout_p=0.0):
     why = _varlen_why_not(q, k, v) or (_FLASH_BWD is None and "this torch has no aten._flash_attention_backward")
-    if not why and dropout_p:
-        why = ("attention dropout under context parallelism: the flash blocks cannot replay flash's dropout "
-               "masks in the ring's backward")
-    if not why:
-        report.ran("attention_cp", f"cuda.flash_blocks.{comm_type}")
-        return context_parallel.attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type,
-                                             dropout_p, blocks=FlashBlocks)
-    report.fell_back("attention_cp", f"cuda.torch.{comm_type}", f"{CP_WHY}: {why}")
-    return context_parallel.attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type,
-                                         dropout_p)
+    return context_parallel.served_attention_cp(FlashBlocks, why, "cuda.flash_blocks", "cuda.torch", q, k, v, pos,
+                                                doc, causal, scale, window_size, groups, comm_type, dropout_p)

@@ -278,19 +278,7 @@ NpuBlocks = context_parallel.PieceBlocks(
     no such cover, or dropout, takes the math, reported."""
 
 
-CP_WHY = ("context parallelism runs its attention blocks in torch math with the scores materialised "
-          "(backends/context_parallel.py)")
-
-
 def attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type, dropout_p=0.0):
-    why = unsupported(q, k, v, None, None)
-    if not why and dropout_p:
-        why = ("attention dropout under context parallelism: the fused blocks cannot replay the kernel's dropout "
-               "masks in the ring's backward (their seed / offset per block are not kept)")
-    if not why:
-        report.ran("attention_cp", f"{CP_IMPL}.{comm_type}")
-        return context_parallel.attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type,
-                                             dropout_p, blocks=NpuBlocks)
-    report.fell_back("attention_cp", f"npu.torch.{comm_type}", f"{CP_WHY}: {why}")
-    return context_parallel.attention_cp(q, k, v, pos, doc, causal, scale, window_size, groups, comm_type,
-                                         dropout_p)
+    return context_parallel.served_attention_cp(NpuBlocks, unsupported(q, k, v, None, None), CP_IMPL, "npu.torch",
+                                                q, k, v, pos, doc, causal, scale, window_size, groups, comm_type,
+                                                dropout_p)

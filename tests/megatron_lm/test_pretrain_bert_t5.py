@@ -16,7 +16,6 @@ Needs MEGATRON_LM_PATH (core_v0.16.1 or core_v0.19.0).
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -57,11 +56,8 @@ def data(tmp):
 
 def run(family, args, tmp, name, iters, env=None):
     script, flags = FAMILY[family]
-    report = tmp / f"{name}.report.json"
-    r = base.launch(script, [*COMMON, *flags, *data(tmp), "--train-iters", str(iters), *args], tmp, name,
-                    env={"MEGATRON_ADAPT_REPORT": str(report), **(env or {})})
-    r.ops = {o["op"]: o for o in json.loads(report.read_text())["ops"]} if report.exists() else {}
-    return r.check()
+    return base.launch_reported(script, [*COMMON, *flags, *data(tmp), "--train-iters", str(iters), *args], tmp,
+                                name, env)
 
 
 @pytest.mark.parametrize("family", ["bert", "t5"])
@@ -95,10 +91,7 @@ def test_t5_te_spec_matches_megatrons_local_path(tmp_path):
     spec on Megatron's own attention ([b, 1, sq, sk] masks)."""
     no_dropout = ["--attention-dropout", "0", "--hidden-dropout", "0"]
     te = run("t5", no_dropout, tmp_path, "t5_te", iters=8)
-    local = run("t5", [*no_dropout, "--transformer-impl", "local"], tmp_path, "t5_local", iters=8,
-                env={"MEGATRON_ADAPT_DISABLE": "attention"})
-    assert "attention" not in local.ops, local.ops   # Megatron's DotProductAttention served it
-    assert sorted(te.losses) == sorted(local.losses) == list(range(1, 9))
-    diffs = {i: abs(te.losses[i] - local.losses[i]) for i in te.losses}
-    assert max(diffs.values()) < 2e-3, (te.losses, local.losses)
+    flags, env = base.LOCAL_PATH
+    local = run("t5", [*no_dropout, *flags], tmp_path, "t5_local", iters=8, env=env)
+    base.assert_matches_local(te, local, 8)
     base.assert_loss_falls(te, by=0.2)

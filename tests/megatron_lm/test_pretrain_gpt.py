@@ -121,6 +121,25 @@ def pretrain(args: list[str], tmp: Path, name: str, iters: int = 10, env: dict |
                   umask=umask)
 
 
+def launch_reported(script: str, args: list[str], tmp: Path, name: str, env: dict | None = None) -> Run:
+    """launch() with megatron-adapt's JSON report written; run.ops maps each op to its row. Checked."""
+    report = tmp / f"{name}.report.json"
+    run = launch(script, args, tmp, name, env={"MEGATRON_ADAPT_REPORT": str(report), **(env or {})})
+    run.ops = {o["op"]: o for o in json.loads(report.read_text())["ops"]} if report.exists() else {}
+    return run.check()
+
+
+# Megatron's own path for a family: its local spec, with megatron-adapt's attention patch off
+# (Megatron's DotProductAttention and masks); with dropout 0 and the same seed the losses agree.
+LOCAL_PATH = (["--transformer-impl", "local"], {"MEGATRON_ADAPT_DISABLE": "attention"})
+
+
+def assert_matches_local(te: Run, local: Run, iters: int, tol: float = 2e-3):
+    assert "attention" not in local.ops, local.ops   # Megatron's DotProductAttention served it
+    assert sorted(te.losses) == sorted(local.losses) == list(range(1, iters + 1))
+    assert max(abs(te.losses[i] - local.losses[i]) for i in te.losses) < tol, (te.losses, local.losses)
+
+
 def assert_loss_falls(run: Run, first: int = 1, by: float = 0.3):
     losses = run.losses
     last = max(losses)

@@ -45,11 +45,7 @@ def run(tmp, name, extra, env=None):
     args = [a for a in base.TINY_GPT]
     i = args.index("--num-layers")
     del args[i:i + 2]
-    report = tmp / f"{name}.report.json"
-    r = base.launch("pretrain_gpt.py", [*args, "--train-iters", "8", *flags], tmp, name,
-                    env={"MEGATRON_ADAPT_REPORT": str(report), **(env or {})})
-    r.ops = {o["op"]: o for o in json.loads(report.read_text())["ops"]} if report.exists() else {}
-    return r.check()
+    return base.launch_reported("pretrain_gpt.py", [*args, "--train-iters", "8", *flags], tmp, name, env)
 
 
 def test_heterogeneous_te_spec_matches_megatrons_local_path(tmp_path):
@@ -57,9 +53,8 @@ def test_heterogeneous_te_spec_matches_megatrons_local_path(tmp_path):
     local path fails on core_v0.16.1 as the TE spec does ("The size of tensor a (64) must match the
     size of tensor b (32)" in the replaced block's bias-dropout-add): not run."""
     te = run(tmp_path, "hetero_te", [])
-    local = run(tmp_path, "hetero_local", ["--transformer-impl", "local"], env={"MEGATRON_ADAPT_DISABLE": "attention"})
+    flags, env = base.LOCAL_PATH
+    local = run(tmp_path, "hetero_local", flags, env=env)
     assert te.ops["attention"]["calls"] > 0 and not te.ops["attention"]["fallback_reason"], te.ops
-    assert "attention" not in local.ops, local.ops
-    assert sorted(te.losses) == sorted(local.losses) == list(range(1, 9))
-    assert max(abs(te.losses[i] - local.losses[i]) for i in te.losses) < 2e-3, (te.losses, local.losses)
+    base.assert_matches_local(te, local, 8)
     base.assert_loss_falls(te, by=0.2)

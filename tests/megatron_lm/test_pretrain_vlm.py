@@ -11,7 +11,6 @@ core_v0.19.0).
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -31,11 +30,7 @@ VLM = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
 
 
 def run(args, tmp, name, iters, env=None):
-    report = tmp / f"{name}.report.json"
-    r = base.launch("pretrain_vlm.py", [*VLM, "--train-iters", str(iters), *args], tmp, name,
-                    env={"MEGATRON_ADAPT_REPORT": str(report), **(env or {})})
-    r.ops = {o["op"]: o for o in json.loads(report.read_text())["ops"]} if report.exists() else {}
-    return r.check()
+    return base.launch_reported("pretrain_vlm.py", [*VLM, "--train-iters", str(iters), *args], tmp, name, env)
 
 
 def test_stock_vlm_tp2_trains_saves_and_resumes(tmp_path):
@@ -53,8 +48,6 @@ def test_stock_vlm_tp2_trains_saves_and_resumes(tmp_path):
 def test_stock_vlm_te_spec_matches_megatrons_local_path(tmp_path):
     no_dropout = ["--attention-dropout", "0", "--hidden-dropout", "0"]
     te = run(no_dropout, tmp_path, "vlm_te", iters=6)
-    local = run([*no_dropout, "--transformer-impl", "local"], tmp_path, "vlm_local", iters=6,
-                env={"MEGATRON_ADAPT_DISABLE": "attention"})
-    assert "attention" not in local.ops, local.ops
-    assert sorted(te.losses) == sorted(local.losses) == list(range(1, 7))
-    assert max(abs(te.losses[i] - local.losses[i]) for i in te.losses) < 2e-3, (te.losses, local.losses)
+    flags, env = base.LOCAL_PATH
+    local = run([*no_dropout, *flags], tmp_path, "vlm_local", iters=6, env=env)
+    base.assert_matches_local(te, local, 6)

@@ -117,7 +117,7 @@ def _worker(rank, port, q):
     import torch.distributed as dist
 
     sys.path.insert(0, os.path.join(TESTS, "ops"))
-    from test_cp_attention import CASES, _case
+    from test_cp_attention import CASES, _case, cp_groups
 
     import torch_npu
     from megatron_adapt import report
@@ -134,12 +134,7 @@ def _worker(rank, port, q):
         calls[1] += 1
         return bwd(*a, **kw)
     torch_npu.npu_fusion_attention, torch_npu.npu_fusion_attention_grad = count_fwd, count_bwd
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    world = dist.new_group([0, 1])
-    singles = [dist.new_group([r]) for r in (0, 1)]
-    groups = {"p2p": world, "allgather": world, "a2a": world,
-              "a2a+p2p": [world, singles[rank]], "a2a+p2p/1x2": [singles[rank], world]}
+    groups = cp_groups(rank, port)
     res = {"profile": torch_npu.PROFILE}
     for name, layout, comm, dtype, window in CASES:
         report.reset_op_counts()

@@ -128,15 +128,23 @@ def _dropout_case(rank, comm, groups):
 DROPOUT = ["p2p", "allgather", "a2a", "a2a+p2p/1x2"]
 
 
-def _worker(rank, port, q):
+def cp_groups(rank, port):
+    """This rank of a 2-process gloo world, and the process group(s) each comm type runs over
+    (a2a+p2p: [a2a group, p2p group], CP 2x1 and 1x2)."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     world = dist.new_group([0, 1])
     singles = [dist.new_group([r]) for r in (0, 1)]
-    groups = {"p2p": world, "allgather": world, "a2a": world,
-              "a2a+p2p": [world, singles[rank]], "a2a+p2p/1x2": [singles[rank], world]}
+    return {"p2p": world, "allgather": world, "a2a": world,
+            "a2a+p2p": [world, singles[rank]], "a2a+p2p/1x2": [singles[rank], world]}
+
+
+def _worker(rank, port, q):
+    import torch.distributed as dist
+
+    groups = cp_groups(rank, port)
     res = {}
     for name, layout, comm, dtype, window in CASES:
         try:
