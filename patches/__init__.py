@@ -24,6 +24,7 @@ AREAS = (
     "grad_accum_fusion",
     "moe",
     "layer_specs",
+    "offloading",
     "start_checks",
     "fp8",
     "ssm",

@@ -4,10 +4,6 @@ Runs every check registered with megatron_adapt.start_checks (fp8's included, pa
 Megatron-LM's `set_global_variables` (right after argument validation) and from
 `TransformerConfig.__post_init__`, and registers the checks of this area:
 
-* `--cpu-offloading-num-layers` (cpu_offloading): Megatron takes its offload context from
-  Transformer Engine (`get_cpu_offload_context`) and asserts at model build without it.
-* `--fine-grained-activation-offloading`: Megatron's offload manager switches TE's
-  `cpu_offload.CPUOffloadEnabled` and raises "TE CPU offload is not available" in the first forward.
 * `--delay-wgrad-compute`: the linears here compute weight gradients inside the backward; TE's split
   weight-gradient pass (`backward_dw`) is not served (the grouped expert linear refused it at build).
 * `--multi-latent-attention --transformer-impl local`: Megatron's local spec gives MLA a
@@ -17,6 +13,7 @@ Megatron-LM's `set_global_variables` (right after argument validation) and from
 
 Model families whose layer specs name TE's classes directly (T5, BERT, LLaVA / ViT, heterogeneous
 layers) are served, not refused: patches/layer_specs binds those names to the provider's modules.
+Activation offloading is served too (patches/offloading).
 """
 from __future__ import annotations
 
@@ -46,23 +43,6 @@ def build_config_check(backend, original):
 
 
 # ---------------------------------------------------------------- this area's checks
-def offloading_refusal(backend, s: dict) -> str | None:
-    if s.get("cpu_offloading"):
-        n = s.get("cpu_offloading_num_layers")
-        host = (" (on the cpu backend activations and weights already live in host memory)"
-                if backend.name == "cpu" else "")
-        return (f"--cpu-offloading-num-layers {n} (cpu_offloading): {where(backend)} cannot run it: "
-                f"Megatron's CPU offloading is Transformer Engine's get_cpu_offload_context, which "
-                f"megatron-adapt does not serve{host}; without TE Megatron asserts at model build. "
-                f"Train without --cpu-offloading-num-layers.")
-    if s.get("fine_grained_activation_offloading"):
-        return (f"--fine-grained-activation-offloading: {where(backend)} cannot run it: Megatron's "
-                f"offload manager switches Transformer Engine's cpu_offload (it raises 'TE CPU "
-                f"offload is not available' in the first forward), which megatron-adapt does not "
-                f"serve. Train without --fine-grained-activation-offloading.")
-    return None
-
-
 def wgrad_refusal(backend, s: dict) -> str | None:
     if s.get("delay_wgrad_compute"):
         return (f"--delay-wgrad-compute: {where(backend)} cannot run it: megatron-adapt's linears "
@@ -85,12 +65,11 @@ def mla_local_refusal(backend, s: dict) -> str | None:
 
 
 def _settings_of(config) -> dict:
-    names = ("cpu_offloading", "cpu_offloading_num_layers", "fine_grained_activation_offloading",
-             "delay_wgrad_compute", "multi_latent_attention", "transformer_impl")
+    names = ("delay_wgrad_compute", "multi_latent_attention", "transformer_impl")
     return {n: getattr(config, n, None) for n in names}
 
 
-for _name, _check in (("offloading", offloading_refusal), ("delay_wgrad", wgrad_refusal),
+for _name, _check in (("delay_wgrad", wgrad_refusal),
                       ("mla_local", mla_local_refusal)):
     start_checks.register(
         AREA, _name, from_args=_check,

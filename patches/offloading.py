@@ -1,0 +1,127 @@
+"""Activation offloading without Transformer Engine: Megatron's two kinds, served.
+
+* `--cpu-offloading-num-layers N` (config.cpu_offloading): Megatron's transformer block takes its
+  offload context from TE's `get_cpu_offload_context` and, without TE, asserts "CPU Offloading is
+  enabled when TE is not present". The block's module global is bound to
+  backends/activation_offload's context (saved-tensor hooks, side-stream copies, reload one layer
+  ahead in the backward). With cpu_offloading off the pair is (nullcontext(), None), as TE's.
+  TE's weight offloading (cpu_offloading_weights) is refused at start: TE itself deprecated it, and
+  the weights here are Megatron's parameters, which stay on the device.
+* `--fine-grained-activation-offloading` (Megatron's own manager, pipeline_parallel/
+  fine_grained_activation_offload.py): it does its own copies and only switches TE's
+  `cpu_offload.CPUOffloadEnabled` flag, raising "TE CPU offload is not available" without TE.
+  The flag's module is bound to a namespace holding that flag; no TE module reads it here.
+  pretrain() first pins the process to its GPU's CPUs through cuda-python and pynvml
+  (`set_ideal_affinity_for_current_gpu`, "Please install cuda-python" without them): replaced by
+  the same pinning read from sysfs (the device's PCI address -> its `local_cpulist`), so neither
+  package is needed; the cpu backend has no device to be near, and leaves the affinity as it is.
+"""
+from __future__ import annotations
+
+import os
+import types
+from contextlib import nullcontext
+
+from megatron_adapt import report, start_checks
+from megatron_adapt.spec import PatchSpec, SkipPatch
+from megatron_adapt.start_checks import where
+
+AREA = "offloading"
+TE_PRESENT = "Transformer Engine is installed: its offloading serves Megatron"
+
+
+def _require_no_te():
+    if start_checks.te_installed():
+        raise SkipPatch(TE_PRESENT)
+
+
+def build_offload_context(backend, original):
+    _require_no_te()
+    from megatron_adapt.backends.activation_offload import offload_context
+
+    streams = backend.name != "cpu"
+    impl = f"{backend.name}.{'side_streams' if streams else 'host_copy'}"
+
+    def get_cpu_offload_context(enabled, num_layers, model_layers, activation_offloading,
+                                weight_offloading, double_buffering=False,
+                                retain_pinned_cpu_buffers=False):
+        """TE's signature. Reloads always run one layer ahead (TE's double buffering is about
+        its own pinned-buffer reuse); pinned host memory comes from torch's caching host
+        allocator, so it is retained across steps either way."""
+        if not enabled or not activation_offloading or num_layers <= 0:
+            return nullcontext(), None
+        return offload_context(num_layers, model_layers, streams,
+                               on_offload=lambda nbytes: report.ran("activation_offload", impl))
+    return get_cpu_offload_context
+
+
+def build_te_cpu_offload(backend, original):
+    """The module Megatron's fine-grained manager flips `CPUOffloadEnabled` on."""
+    _require_no_te()
+    if original is not None:
+        raise SkipPatch("the TE extension already holds a cpu_offload module")
+    return types.SimpleNamespace(
+        CPUOffloadEnabled=False,
+        __doc__="megatron-adapt: TE's cpu_offload flag for Megatron's fine-grained offload manager "
+                "(no TE module reads it; Megatron's manager does the copies)")
+
+
+def build_gpu_affinity(backend, original):
+    def set_ideal_affinity_for_current_gpu():
+        """Megatron's: pin this process to the CPUs nearest its device (report: which)."""
+        cpus = device_local_cpus(backend)
+        if cpus is None:
+            report.ran("device_affinity", f"{backend.name}.unchanged")
+            return
+        os.sched_setaffinity(0, cpus)
+        report.ran("device_affinity", f"{backend.name}.sysfs_local_cpulist")
+    return set_ideal_affinity_for_current_gpu
+
+
+def device_local_cpus(backend) -> set[int] | None:
+    """The CPUs the kernel lists as local to the current CUDA device and this process may use, or
+    None: no such device (cpu backend; npu: torch_npu's properties carry no PCI address), or none
+    of those CPUs is allowed to this process."""
+    if backend.name != "cuda":
+        return None
+    import torch
+
+    p = torch.cuda.get_device_properties(torch.cuda.current_device())
+    address = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    path = f"/sys/bus/pci/devices/{address}/local_cpulist"
+    try:
+        text = open(path).read().strip()
+    except OSError as e:
+        raise RuntimeError(f"set_ideal_affinity_for_current_gpu: cannot read {path} ({e}): the "
+                           f"CPUs local to GPU {address} are unknown") from e
+    cpus = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return (cpus & os.sched_getaffinity(0)) or None   # none of them allowed here: leave it
+
+
+def weights_refusal(backend, s: dict) -> str | None:
+    if s.get("cpu_offloading") and s.get("cpu_offloading_weights"):
+        return (f"cpu_offloading_weights: {where(backend)} cannot run it: weight offloading is "
+                f"Transformer Engine's (deprecated there too); megatron-adapt offloads "
+                f"activations only. Set cpu_offloading_weights=False.")
+    return None
+
+
+start_checks.register(
+    AREA, "offload_weights",
+    from_args=weights_refusal,
+    from_config=lambda backend, config: weights_refusal(backend, {
+        "cpu_offloading": getattr(config, "cpu_offloading", False),
+        "cpu_offloading_weights": getattr(config, "cpu_offloading_weights", False)}))
+
+
+SPECS = [
+    PatchSpec("megatron.core.transformer.transformer_block:get_cpu_offload_context", area=AREA,
+              build=build_offload_context, create=True, check_signature=False),
+    PatchSpec("megatron.core.extensions.transformer_engine:cpu_offload", area=AREA,
+              build=build_te_cpu_offload, create=True, check_signature=False),
+    PatchSpec("megatron.core.pipeline_parallel.utils:set_ideal_affinity_for_current_gpu", area=AREA,
+              build=build_gpu_affinity, versions=">=0.16.0,<0.20.0"),
+]
