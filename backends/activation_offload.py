@@ -13,9 +13,11 @@ runs just before that layer's backward:
             memory on a side stream that first waits for the compute stream; the device memory
             is returned to the allocator once that copy has run (`record_stream`).
             The layer-output function records the layer's "offloaded" event.
-  backward  the layer-output function of layer i makes sure layer i's tensors are on their way
-            back (reload on a second side stream after the "offloaded" event) and starts the
-            reload of layer i-1, so the copy overlaps layer i's backward. unpack makes the
+  backward  the layer-output function of layer i starts the reload of layer i - lookahead (on a
+            second side stream, after that layer's "offloaded" event), lookahead = the layers
+            kept on the device - 1: the copies overlap that many layers' backward, and the live
+            activations never exceed the forward's peak. It also makes sure layer i's own tensors
+            are on their way back. unpack makes the
             compute stream wait for the tensor's reload; a tensor whose layer was not prefetched
             is reloaded there and then.
 
@@ -51,6 +53,10 @@ class ActivationOffload:
 
     def __init__(self, num_layers: int, model_layers: int, streams: bool, on_offload=None):
         self.num_layers, self.model_layers = num_layers, model_layers
+        # Reload layer j when the backward reaches layer j + lookahead: as early as possible while
+        # the backward's live activations stay under the forward's peak (the model_layers -
+        # num_layers layers kept on the device), so the copies overlap that many layers' backward.
+        self.lookahead = max(1, model_layers - num_layers - 1)
         self.layer = -1
         self.on_offload = on_offload or (lambda nbytes: None)
         self._pending: dict[int, list[_Offloaded]] = {}      # layer -> tensors in host memory
@@ -58,10 +64,14 @@ class ActivationOffload:
         self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if streams else None
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self.tensors = self.bytes = 0         # totals, for the report and tests
+        self.forward_bytes = 0                # offloaded by the current (or last) forward
+        self.announced = False
 
     # ---- the context Megatron enters around each layer
     def __enter__(self):
         self.layer = (self.layer + 1) % self.model_layers
+        if self.layer == 0:
+            self.forward_bytes = 0
         self._pending.pop(self.layer, None)        # a forward that had no backward (kept nothing)
         self._offloaded_event.pop(self.layer, None)
         self._hooks.__enter__()
@@ -87,7 +97,9 @@ class ActivationOffload:
         if not self._eligible(t):
             return t
         pin = self._streams is not None
-        host = torch.empty_like(t, device="cpu", pin_memory=pin)
+        # torch.empty (not empty_like, which may hand back pageable memory: a device-to-pageable
+        # copy blocks the host); contiguous: backward formulas read values, not strides
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
         if pin:
             d2h = self._streams[0]
             d2h.wait_stream(torch.cuda.current_stream())
@@ -101,6 +113,7 @@ class ActivationOffload:
         nbytes = t.numel() * t.element_size()
         self.tensors += 1
         self.bytes += nbytes
+        self.forward_bytes += nbytes
         self.on_offload(nbytes)
         return item
 
@@ -111,7 +124,6 @@ class ActivationOffload:
             self._reload(item)
         if item.ready is not None:
             torch.cuda.current_stream().wait_event(item.ready)
-            item.device_copy.record_stream(torch.cuda.current_stream())
             item.ready = None
         return item.device_copy
 
@@ -127,15 +139,32 @@ class ActivationOffload:
             h2d.wait_event(offloaded)
         else:
             h2d.wait_stream(self._streams[0])
+        # allocated from the compute stream's pool (memory the backward frees is reused; an
+        # allocation on the side stream would come from a pool of its own, and the reserved
+        # memory would grow by what offloading saves); kept until the copy has run
+        device_copy = torch.empty(item.host.shape, dtype=item.host.dtype, device=item.device)
         with torch.cuda.stream(h2d):
-            item.device_copy = item.host.to(item.device, non_blocking=True)
+            device_copy.copy_(item.host, non_blocking=True)
             item.ready = h2d.record_event()
+        device_copy.record_stream(h2d)
+        item.device_copy = device_copy
 
     def prefetch(self, layer: int):
+        if layer < 0:
+            return
         for item in self._pending.pop(layer, ()):
             if item.device_copy is None:
                 self._reload(item)
         self._offloaded_event.pop(layer, None)
+
+    def announce(self):
+        """Once per process (rank 0): what one forward offloads, so a user can weigh it against the
+        host link's bandwidth."""
+        import torch.distributed as dist
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"megatron-adapt: activation offloading: layers 0-{self.num_layers - 1} of "
+                  f"{self.model_layers} per model chunk, {self.forward_bytes / 1e9:.2f} GB to host "
+                  f"memory and back per micro-batch", flush=True)
 
     def committed(self, layer: int):
         """The layer's forward is done: its tensors' copies are all queued on the d2h stream."""
@@ -156,8 +185,10 @@ class _LayerBoundary(torch.autograd.Function):
     def backward(ctx, grad):
         offload, layer = ctx.offload, ctx.layer
         offload.prefetch(layer)
-        if layer > 0:
-            offload.prefetch(layer - 1)
+        offload.prefetch(layer - offload.lookahead)
+        if layer == 0 and not offload.announced:
+            offload.announced = True
+            offload.announce()
         return grad, None
 
 

@@ -68,7 +68,7 @@ def max_rel(a, b):
 dist.init_process_group("nccl" if BACKEND == "cuda" else "gloo")
 parallel_state.initialize_model_parallel(1, 1)
 activation_offload.MIN_BYTES = 1024        # the toy model's activations are small
-layers_seen = []
+layers_seen, pinned = [], set()
 pack = activation_offload.ActivationOffload._pack
 
 
@@ -76,6 +76,7 @@ def recording_pack(self, t):
     out = pack(self, t)
     if isinstance(out, activation_offload._Offloaded):
         layers_seen.append(out.layer)
+        pinned.add(out.host.is_pinned())
     return out
 
 
@@ -89,7 +90,7 @@ res = {"context": type(block.offload_context).__name__,
 losses, grads = step(m)
 res.update(loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)), grad_rel_diff=max_rel(grads, ref_grads),
            grads=len(grads), layers_offloaded=sorted(set(layers_seen)), tensors=block.offload_context.tensors,
-           bytes=block.offload_context.bytes,
+           bytes=block.offload_context.bytes, pinned=sorted(pinned),
            impls=sorted(i for (op, i) in report._op_counts if op == "activation_offload"))
 
 

@@ -46,6 +46,8 @@ def test_only_the_first_layers_are_offloaded_and_reported(backend):
     assert res["layers_offloaded"] == [0, 1], res          # cpu_offloading_num_layers=2 of 4
     assert res["tensors"] > 0 and res["bytes"] > 0
     assert res["impls"] == [f"{backend}.{'host_copy' if backend == 'cpu' else 'side_streams'}"]
+    # a GPU copies asynchronously only into pinned host memory; the cpu backend has nothing to pin
+    assert res["pinned"] == [backend != "cpu"], res
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
