@@ -108,7 +108,7 @@ def test_bert_pp2_matches_megatrons_local_path_and_resumes(tmp_path):
 
     Megatron's training_log does not reset its loss sums after a run's first iteration
     (`should_reset = not is_first_iteration`), so the resumed run prints mean(L7, L8) at iteration 8.
-    Where BERT's masking puts a random token at a masked position it can draw [PAD] (1 in 26 with this
+    Where BERT's masking puts a random token at a masked position it can draw [PAD] (1 in 26 to 38 with this
     vocab), which bert_dataset marks as padding: a fully masked query row inside the loss, mean(V) in
     Megatron's softmax (-10000 fill), 0 in SDPA. That moves the curve by up to ~1.5e-3 here; with
     --short-seq-prob 0 the data stream hits it late and rarely (docs/model-families.md)."""
