@@ -21,13 +21,10 @@ def assert_refused_at_start(run, expected: str):
 
 
 @pytest.mark.parametrize("flags,expected", [
-    (["--cpu-offloading-num-layers", "1"],
-     "--cpu-offloading-num-layers 1 (cpu_offloading): the cpu backend cannot run it: Megatron's CPU "
-     "offloading is Transformer Engine's get_cpu_offload_context"),
     (["--bf16", "--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
       "alltoall", "--moe-grouped-gemm", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"],
      "--delay-wgrad-compute: the cpu backend cannot run it: megatron-adapt's linears compute weight "
      "gradients inside the backward"),
-], ids=["cpu_offloading", "delay_wgrad_compute"])
+], ids=["delay_wgrad_compute"])
 def test_pretrain_gpt_flag_refused_at_start(tmp_path, flags, expected):
     assert_refused_at_start(pretrain(flags, tmp_path, "refused", iters=3), expected)

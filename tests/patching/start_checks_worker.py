@@ -47,6 +47,7 @@ def config():
 
     cases = {
         "cpu_offloading": dict(cpu_offloading=True, cpu_offloading_num_layers=1),
+        "cpu_offloading_weights": dict(cpu_offloading=True, cpu_offloading_num_layers=1, cpu_offloading_weights=True),
         "fine_grained_activation_offloading": dict(fine_grained_activation_offloading=True,
                                                    offload_modules=["core_attn"]),
         "delay_wgrad_compute": dict(delay_wgrad_compute=True, num_moe_experts=4, expert_model_parallel_size=2,
