@@ -6,7 +6,8 @@
   backends/activation_offload's context (saved-tensor hooks, side-stream copies, reload one layer
   ahead in the backward). With cpu_offloading off the pair is (nullcontext(), None), as TE's.
   TE's weight offloading (cpu_offloading_weights) is refused at start: TE itself deprecated it, and
-  the weights here are Megatron's parameters, which stay on the device.
+  the weights here are Megatron's parameters, which stay on the device. With CUDA graphs (Megatron
+  allows `full_iteration`) it is refused too: the copies and pinned buffers are per step.
 * `--fine-grained-activation-offloading` (Megatron's own manager, pipeline_parallel/
   fine_grained_activation_offload.py): it does its own copies and only switches TE's
   `cpu_offload.CPUOffloadEnabled` flag, raising "TE CPU offload is not available" without TE.
@@ -101,20 +102,26 @@ def device_local_cpus(backend) -> set[int] | None:
     return (cpus & os.sched_getaffinity(0)) or None   # none of them allowed here: leave it
 
 
-def weights_refusal(backend, s: dict) -> str | None:
-    if s.get("cpu_offloading") and s.get("cpu_offloading_weights"):
+def offload_refusal(backend, s: dict) -> str | None:
+    if not s.get("cpu_offloading"):
+        return None
+    if s.get("cpu_offloading_weights"):
         return (f"cpu_offloading_weights: {where(backend)} cannot run it: weight offloading is "
                 f"Transformer Engine's (deprecated there too); megatron-adapt offloads "
                 f"activations only. Set cpu_offloading_weights=False.")
+    graphs = s.get("cuda_graph_impl") or "none"
+    if graphs != "none":   # Megatron itself refuses every impl but full_iteration
+        return (f"--cpu-offloading-num-layers with --cuda-graph-impl {graphs}: {where(backend)} cannot "
+                f"run it: megatron-adapt's activation offloading takes pinned host buffers and copies "
+                f"on side streams at every step, which a CUDA graph cannot capture. Use one of the two.")
     return None
 
 
 start_checks.register(
-    AREA, "offload_weights",
-    from_args=weights_refusal,
-    from_config=lambda backend, config: weights_refusal(backend, {
-        "cpu_offloading": getattr(config, "cpu_offloading", False),
-        "cpu_offloading_weights": getattr(config, "cpu_offloading_weights", False)}))
+    AREA, "offload",
+    from_args=offload_refusal,
+    from_config=lambda backend, config: offload_refusal(backend, {
+        n: getattr(config, n, None) for n in ("cpu_offloading", "cpu_offloading_weights", "cuda_graph_impl")}))
 
 
 SPECS = [

@@ -473,6 +473,12 @@ class TestStartChecks(PatchContract):
     area = "start_checks"
 
 
+class TestOffloading(PatchContract):
+    """Activation offloading through GPTModel: tests/patching/test_offloading.py; stock scripts:
+    tests/megatron_lm/test_pretrain_gpt_offloading.py."""
+    area = "offloading"
+
+
 def test_every_patch_area_has_a_contract_subclass():
     from megatron_adapt.patches import AREAS
 

@@ -138,6 +138,8 @@ CASES = [
     # served: not refused
     (["--multi-latent-attention"], "passed"),
     (["--cpu-offloading-num-layers", "1"], "passed"),
+    (["--cpu-offloading-num-layers", "1", "--cuda-graph-impl", "local"],
+     REFUSED + "--cpu-offloading-num-layers with --cuda-graph-impl local: the cpu backend cannot run it"),
     (["--fine-grained-activation-offloading", "--offload-modules", "core_attn"], "passed"),
     (["--context-parallel-size", "2", "--cp-comm-type", "a2a"], "passed"),
     ([], "passed"),
@@ -169,6 +171,9 @@ def test_disabling_an_area_drops_only_its_checks():
 @pytest.mark.parametrize("settings,expected", [
     ({"cpu_offloading": True, "cpu_offloading_num_layers": 2}, None),      # served (patches/offloading)
     ({"cpu_offloading": True, "cpu_offloading_weights": True}, "cpu_offloading_weights"),
+    ({"cpu_offloading": True, "cuda_graph_impl": "full_iteration"},
+     "--cpu-offloading-num-layers with --cuda-graph-impl full_iteration"),
+    ({"cpu_offloading": True, "cuda_graph_impl": "none"}, None),
     ({"delay_wgrad_compute": True}, "--delay-wgrad-compute"),
     ({"multi_latent_attention": True, "transformer_impl": "local"}, "--multi-latent-attention --transformer-impl local"),
     ({"multi_latent_attention": True, "transformer_impl": "transformer_engine"}, None),
@@ -183,7 +188,7 @@ def test_refusals_name_every_backend(backend, settings, expected):
     from megatron_adapt.patches import start_checks as area
 
     b = types.SimpleNamespace(name=backend)
-    got = [why for check in (offloading.weights_refusal, area.wgrad_refusal, area.mla_local_refusal)
+    got = [why for check in (offloading.offload_refusal, area.wgrad_refusal, area.mla_local_refusal)
            if (why := check(b, settings))]
     if expected is None:
         assert not got, got
