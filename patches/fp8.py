@@ -226,6 +226,22 @@ def fp8_variant(base, backend):
         return _variants[key]
 
     class Fp8Linear(base):
+        @property
+        def save_original_input(self):
+            """TE's flag for keeping the bf16 input instead of its fp8 copy (Megatron sets it for
+            some fine-grained offloading and output-discarding recompute set-ups in fp8)."""
+            return False
+
+        @save_original_input.setter
+        def save_original_input(self, value):
+            if value:
+                raise UnsupportedFeatureError(
+                    f"save_original_input on an fp8 linear ({type(self).__name__}): the "
+                    f"{backend.name} backend's fp8 linears keep the fp8 copies of their inputs for "
+                    f"the backward; TE's option to keep the original input instead (asked for by "
+                    f"Megatron's fine-grained offloading or output-discarding recompute under fp8) "
+                    f"is not served. Drop fp8, or those offload / recompute modules.")
+
         def __new__(cls, *args, **kwargs):
             if not args and not kwargs:        # copy / unpickle: an object of this class
                 return super().__new__(cls)

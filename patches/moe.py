@@ -176,6 +176,10 @@ def _grouped_linear_classes(backend):
         GroupedLinear; forward(x, m_splits) runs all of them as one backend grouped GEMM."""
 
         parallel_mode = None  # "column" / "row" in the subclasses
+        # TE's flag (Megatron's set_save_original_input, e.g. for --offload-modules expert_fc1):
+        # keep the bf16 input, not an fp8 copy, for the backward. These linears have no fp8 path,
+        # so they always keep the original input; the attribute is what Megatron checks for.
+        save_original_input = False
 
         def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
                      skip_bias_add, is_expert=True, tp_comm_buffer_name=None, pg_collection=None,
