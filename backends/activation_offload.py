@@ -58,7 +58,7 @@ class ActivationOffload:
         # num_layers layers kept on the device), so the copies overlap that many layers' backward.
         self.lookahead = max(1, model_layers - num_layers - 1)
         self.layer = -1
-        self.on_offload = on_offload or (lambda nbytes: None)
+        self.on_offload = on_offload or (lambda: None)   # called once per offloaded tensor
         self._pending: dict[int, list[_Offloaded]] = {}      # layer -> tensors in host memory
         self._offloaded_event: dict[int, object] = {}
         self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if streams else None
@@ -91,7 +91,7 @@ class ActivationOffload:
             return False
         if self._streams is not None and t.device.type == "cpu":
             return False
-        return t.numel() * t.element_size() >= MIN_BYTES
+        return t.nbytes >= MIN_BYTES
 
     def _pack(self, t: torch.Tensor):
         if not self._eligible(t):
@@ -110,11 +110,10 @@ class ActivationOffload:
             host.copy_(t)
         item = _Offloaded(host, t.device, self.layer)
         self._pending.setdefault(self.layer, []).append(item)
-        nbytes = t.numel() * t.element_size()
         self.tensors += 1
-        self.bytes += nbytes
-        self.forward_bytes += nbytes
-        self.on_offload(nbytes)
+        self.bytes += t.nbytes
+        self.forward_bytes += t.nbytes
+        self.on_offload()
         return item
 
     def _unpack(self, item):
@@ -160,8 +159,8 @@ class ActivationOffload:
     def announce(self):
         """Once per process (rank 0): what one forward offloads, so a user can weigh it against the
         host link's bandwidth."""
-        import torch.distributed as dist
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        from megatron_adapt import report
+        if report._rank() == 0:
             print(f"megatron-adapt: activation offloading: layers 0-{self.num_layers - 1} of "
                   f"{self.model_layers} per model chunk, {self.forward_bytes / 1e9:.2f} GB to host "
                   f"memory and back per micro-batch", flush=True)

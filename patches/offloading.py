@@ -46,13 +46,13 @@ def build_offload_context(backend, original):
     def get_cpu_offload_context(enabled, num_layers, model_layers, activation_offloading,
                                 weight_offloading, double_buffering=False,
                                 retain_pinned_cpu_buffers=False):
-        """TE's signature. Reloads always run one layer ahead (TE's double buffering is about
-        its own pinned-buffer reuse); pinned host memory comes from torch's caching host
-        allocator, so it is retained across steps either way."""
+        """TE's signature. double_buffering and retain_pinned_cpu_buffers are about TE's own
+        pinned buffers: here pinned host memory comes from torch's caching host allocator, which
+        keeps it across steps, and reloads run as far ahead as backends/activation_offload says."""
         if not enabled or not activation_offloading or num_layers <= 0:
             return nullcontext(), None
         return offload_context(num_layers, model_layers, streams,
-                               on_offload=lambda nbytes: report.ran("activation_offload", impl))
+                               on_offload=lambda: report.ran("activation_offload", impl))
     return get_cpu_offload_context
 
 
