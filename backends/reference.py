@@ -7,6 +7,8 @@ ran), except `make_adam`, which reports the optimizer it builds under the caller
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -169,10 +171,31 @@ def thd_segments(cu_seqlens, cu_seqlens_padded, total: int, name: str = "cu_seql
     return segments
 
 
+_OFFSETS: dict = {}   # id(cu) -> (weakref to cu, its version counter, its values)
+
+
 def _offsets(cu, name) -> list[int]:
+    """cu's values, checked. Megatron hands one cu_seqlens tensor to every layer of a step: its values
+    are read (a device-to-host sync on a GPU) once, and again only if it is written in place."""
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.is_floating_point() or cu.numel() < 2:
         raise ValueError(f"{name} must be a 1-D integer tensor of n + 1 cumulative offsets, got "
                          f"{getattr(cu, 'shape', type(cu).__name__)} {getattr(cu, 'dtype', '')}")
+    try:
+        version = cu._version
+    except RuntimeError:     # an inference-mode tensor keeps no version counter: read it every time
+        version = None
+    hit = _OFFSETS.get(id(cu))
+    if version is not None and hit is not None and hit[0]() is cu and hit[1] == version:
+        return hit[2]
+    vals = _checked_offsets(cu, name)
+    if version is not None:
+        if len(_OFFSETS) >= 32:
+            _OFFSETS.clear()
+        _OFFSETS[id(cu)] = (weakref.ref(cu), version, vals)
+    return vals
+
+
+def _checked_offsets(cu, name) -> list[int]:
     vals = [int(x) for x in cu.tolist()]
     if vals[0] != 0:
         raise ValueError(f"{name} must start at 0, got {vals[0]}")

@@ -423,6 +423,27 @@ def bench_attention_thd(be, args, dev, h=16, d=128, n_docs=8):
     record("attention_thd", shape, "ours", fwd_bwd(lambda: op(q, k, v, cu, cu, causal=True), [q, k, v], dy),
            flops=doc_flops, note=path)
     segs = [(int(a), n) for a, n in zip(cu[:-1].tolist(), lengths)]
+    varlen = lambda: cuda_attention._varlen(q, k, v, segs, segs, True, None, 0.0, None)
+    record("attention_thd", shape, "flash_varlen", fwd_bwd(varlen, [q, k, v], dy), flops=doc_flops,
+           note="torch's varlen flash kernel (aten._flash_attention_forward with cu_seqlens); " + diff(varlen))
+    from megatron_adapt.backends.cuda import cudnn_thd
+    if cudnn_thd.why_not(q, k, v, segs, segs, True, 0.0, None) is None:
+        # Training sees new document lengths every step: 16 layouts of 8 documents summing to T, one
+        # per call, all in the graph bucket the first call built (after its build, timed alone).
+        layouts = [torch.tensor([0] + torch.tensor(thd_lengths(n_docs, total, seed=s)).cumsum(0).tolist(),
+                                dtype=torch.int32, device=dev) for s in range(1, 17)]
+        built = cudnn_thd.graph_count()
+        t0 = time.perf_counter()
+        torch.autograd.grad(op(q, k, v, layouts[0], layouts[0], causal=True), [q, k, v], dy)
+        torch.cuda.synchronize()
+        first_ms = (time.perf_counter() - t0) * 1e3
+        turn = iter(range(10 ** 9))
+        flops16 = sum(3.5 * 4 * h * d * sum(n * n for n in thd_lengths(n_docs, total, seed=s)) / 2
+                      for s in range(1, 17)) / 16
+        record("attention_thd", shape, "ours_new_layout_each_call",
+               fwd_bwd(lambda: op(q, k, v, *(2 * [layouts[next(turn) % 16]]), causal=True), [q, k, v], dy),
+               flops=flops16, note=f"16 layouts of {n_docs} documents in turn (mean within-document FLOPs); "
+                                   f"graphs built: {cudnn_thd.graph_count() - built} (first call {first_ms:.0f} ms)")
     padded = lambda: cuda_attention._padded_batch(q, k, v, segs, segs, True, None, 0.0, None)
     record("attention_thd", shape, "ours_padded_batch", fwd_bwd(padded, [q, k, v], dy), flops=doc_flops,
            note=diff(padded))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from megatron_adapt import report
 from megatron_adapt.backends import context_parallel, reference
 from megatron_adapt.backends.reference import build_mask
-from megatron_adapt.backends.cuda import providers
+from megatron_adapt.backends.cuda import cudnn_thd, providers
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -166,7 +166,10 @@ def _padded_index(segs, device):
 
 def attention_thd(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
                   causal=True, scale=None, dropout_p=0.0, window_size=None):
-    """Packed sequences on the GPU go through torch's variable-length flash kernel in one call
+    """Packed sequences on Hopper, with nvidia-cudnn-frontend installed, go through cuDNN's fused
+    attention with ragged offsets (cudnn_thd.py: bf16 / fp16, head dim <= 128, no dropout or window,
+    the same sequences for q and kv); measured faster than the varlen flash kernel (docs/long-context.md).
+    Otherwise they go through torch's variable-length flash kernel in one call
     (cu_seqlens in, only the within-document work done, GQA and windows native), chosen by
     measurement against the other layouts: per-document cuDNN SDPA, a padded batch, a dense
     block-diagonal mask, cuDNN's ragged layout (scripts/bench_kernels.py --ops attention_thd;
@@ -181,6 +184,10 @@ def attention_thd(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded=None
     segs_kv = reference.thd_segments(cu_seqlens_kv, cu_seqlens_kv_padded, k.size(0), "cu_seqlens_kv")
     if len(segs_q) != len(segs_kv):
         raise ValueError(f"cu_seqlens_q has {len(segs_q)} sequences, cu_seqlens_kv {len(segs_kv)}")
+    live = [seg for seg in segs_q if seg[1]]
+    if live and cudnn_thd.why_not(q, k, v, segs_q, segs_kv, causal, dropout_p, window_size) is None:
+        report.ran("attention_thd", "cuda.cudnn.ragged")
+        return cudnn_thd.attention(q, k, v, live, causal, scale)
     why_not = _varlen_why_not(q, k, v)
     if why_not is None:
         return _varlen(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_size)

@@ -8,6 +8,18 @@ import torch
 import thd_cases
 from _cuda_helpers import DEVICE, assert_close, ran_impl, reset
 from megatron_adapt.backends.cuda import attention as attn
+from megatron_adapt.backends.cuda import cudnn_thd
+
+
+def gpu_impl(q, k, v, kw):
+    """What bf16 on a GPU takes: cuDNN's ragged graphs where they serve (Hopper, with
+    nvidia-cudnn-frontend; tests/cuda/test_cuda_thd_cudnn.py), else torch's varlen flash kernel."""
+    from megatron_adapt.backends import reference
+    segs_q = reference.thd_segments(kw["cu_seqlens_q"], kw.get("cu_seqlens_q_padded"), q.size(0))
+    segs_kv = reference.thd_segments(kw["cu_seqlens_kv"], kw.get("cu_seqlens_kv_padded"), k.size(0))
+    why = cudnn_thd.why_not(q, k, v, segs_q, segs_kv, kw.get("causal", True), kw.get("dropout_p", 0.0),
+                            kw.get("window_size"))
+    return "cuda.cudnn.ragged" if why is None else "cuda.flash.varlen"
 
 
 @pytest.mark.parametrize("case", list(thd_cases.CASES))
@@ -21,14 +33,14 @@ def test_padded_batch_matches_block_diagonal_attention(case, dtype):
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"{case} {name}: {m}")
     if DEVICE.type == "cuda" and dtype == torch.bfloat16:
-        assert ran_impl("attention_thd") == {"cuda.flash.varlen"}
+        assert ran_impl("attention_thd") == {gpu_impl(q, k, v, kw)}
     else:
         assert all(i.startswith("cuda.sdpa.padded_batch.") for i in ran_impl("attention_thd")), ran_impl("attention_thd")
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="torch's varlen flash kernel runs on a GPU only")
 @pytest.mark.parametrize("padded", [False, True])
-def test_flash_varlen_at_bench_shape(padded):
+def test_thd_at_bench_shape(padded):
     """8 documents (one of length 1), GQA 16/4 heads, d128, bf16, against one SDPA per document in fp32."""
     reset()
     lengths = [700, 1, 1500, 333, 64, 900, 250, 348]
@@ -45,7 +57,7 @@ def test_flash_varlen_at_bench_shape(padded):
     want = thd_cases.grads(lambda q, k, v: reference.attention_thd(q, k, v, **kw), q.float(), k.float(), v.float())
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert_close(a, b, torch.bfloat16, name)      # ||a - b|| / ||b|| <= 1.2e-2
-    assert ran_impl("attention_thd") == {"cuda.flash.varlen"}
+    assert ran_impl("attention_thd") == {gpu_impl(q, k, v, kw)}
 
 
 def test_q_and_kv_lengths_that_differ_go_one_sequence_at_a_time():

@@ -6,6 +6,7 @@ import torch
 
 import thd_cases
 from megatron_adapt import report
+from megatron_adapt.backends import reference
 from megatron_adapt.backends.cpu import attention
 
 
@@ -47,3 +48,25 @@ def test_sbhd_tensors_into_the_thd_op_are_refused():
     cu = torch.tensor([0, 9], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"packed \(thd\) attention takes q/k/v as \[T, heads, d\]"):
         attention.attention_thd(q, q, q, cu, cu)
+
+
+def test_offsets_are_read_once_per_tensor_until_written(monkeypatch):
+    """One cu_seqlens tensor serves every layer of a step: its values are read (on a GPU, a sync)
+    once; an in-place write, or another tensor, reads again."""
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    reads = []
+    real = reference._checked_offsets
+    monkeypatch.setattr(reference, "_checked_offsets", lambda t, name: reads.append(name) or real(t, name))
+    assert reference.thd_segments(cu, None, 5) == [(0, 3), (3, 2)]
+    assert reference.thd_segments(cu, None, 5) == [(0, 3), (3, 2)]
+    assert len(reads) == 1
+    cu[1] = 1
+    assert reference.thd_segments(cu, None, 5) == [(0, 1), (1, 4)]
+    assert len(reads) == 2
+    assert reference.thd_segments(cu.clone(), None, 5) == [(0, 1), (1, 4)]
+    assert len(reads) == 3
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 2, 5], dtype=torch.int32)
+    assert reference.thd_segments(frozen, None, 5) == [(0, 2), (2, 3)]
+    assert reference.thd_segments(frozen, None, 5) == [(0, 2), (2, 3)]
+    assert len(reads) == 5
