@@ -290,9 +290,10 @@ def build_thd_batch(backend, original):
 
 
 def build_per_document_split(backend, original):
-    """core_v0.19's megatron.core.utils._get_batch_on_this_cp_rank_per_document_balancing (the CP
-    split of --sft's packed batches), whose indices come from TE's tex.thd_get_partitioned_indices:
-    the same, with megatron-adapt's indices. The group's size and rank are read from the group."""
+    """core_v0.19's megatron.core.utils._get_batch_on_this_cp_rank_per_document_balancing (core 0.18:
+    get_sft_batch_on_this_cp_rank), the CP split of --sft's packed batches, whose indices come from
+    TE's tex.thd_get_partitioned_indices: the same, with megatron-adapt's indices. The group's size
+    and rank are read from the group."""
     from megatron_adapt.backends import context_parallel as cp
 
     def _get_batch_on_this_cp_rank_per_document_balancing(batch, cp_group):
@@ -309,9 +310,12 @@ def build_per_document_split(backend, original):
 
 
 SPECS = [
-    # 0.15 has no THD split under CP; 0.18's is get_sft_batch_on_this_cp_rank (not served yet)
+    # 0.15 has no THD split under CP; 0.18 names 0.19's split get_sft_batch_on_this_cp_rank (same
+    # arguments, the same body around tex.thd_get_partitioned_indices)
     PatchSpec("megatron.core.utils:get_thd_batch_on_this_cp_rank", area=AREA, build=build_thd_batch,
               versions=">=0.16.0,<0.18.0"),
+    PatchSpec("megatron.core.utils:get_sft_batch_on_this_cp_rank", area=AREA, build=build_per_document_split,
+              versions=">=0.18.0,<0.19.0"),
     PatchSpec("megatron.core.utils:_get_batch_on_this_cp_rank_per_document_balancing", area=AREA,
               build=build_per_document_split, versions=">=0.19.0,<0.20.0"),
 ]

@@ -147,8 +147,9 @@ def test_sft_cp2_matches_cp1(inputs, tmp_path_factory, comm):
     # rank 0's calls: its half of every pack, every layer
     assert got.get("attention_cp") == {f"cpu.torch.{comm}": LAYERS * ITERS * GLOBAL_BATCH}, got
     assert "attention_thd" not in got, got
-    # the THD split under CP, without TE: core 0.16's function or core 0.19's
+    # the THD split under CP, without TE: core 0.16-0.17's function, 0.18's or 0.19's
     splits = {"megatron.core.utils:get_thd_batch_on_this_cp_rank",
+              "megatron.core.utils:get_sft_batch_on_this_cp_rank",
               "megatron.core.utils:_get_batch_on_this_cp_rank_per_document_balancing"}
     assert len(splits & applied(cp)) == 1, applied(cp)
 

@@ -782,9 +782,11 @@ def _():
 
         def rank(self):
             return 1
-    batch["cu_seqlens"], batch["cu_seqlens_padded"] = cu[None], cu_p[None]   # core 0.19 keeps (1, n)
-    out = core_utils._get_batch_on_this_cp_rank_per_document_balancing(batch, Rank1Of2())
-    sft_out = core_utils._get_batch_on_this_cp_rank_per_document_balancing(sft, Rank1Of2())
+    batch["cu_seqlens"], batch["cu_seqlens_padded"] = cu[None], cu_p[None]   # core 0.18-0.19 keep (1, n)
+    split = getattr(core_utils, "get_sft_batch_on_this_cp_rank", None)           # core 0.18's name
+    split = split or core_utils._get_batch_on_this_cp_rank_per_document_balancing
+    out = split(batch, Rank1Of2())
+    sft_out = split(sft, Rank1Of2())
     return {"tokens": out["tokens"][0].tolist(), "labels": out["labels"][0].tolist(), "qkv_format": "thd",
             "max_seqlen": 12, "padded_kept": True, "sft_tokens": sft_out["tokens"][0].tolist(),
             "sft_cu_seqlens": sft_out["cu_seqlens"].view(-1).tolist()}   # 0.19 builds PackedSeqParams later

@@ -118,7 +118,7 @@ class TestContextParallel(PatchContract):
     area = "context_parallel"
 
     def test_thd_batch_split_without_te(self):
-        self._targets()   # skips where no split of this release is served (0.15, 0.18)
+        self._targets()   # skips where this release has no THD split under CP (0.15)
         res = consumer("context_parallel")
         assert res["tokens"] == [2, 3, 4, 5, 9, 10, 15, 16, 17, 18, 19, 20, 25, 26], res
         assert res["labels"] == [t + 100 for t in res["tokens"]]
