@@ -183,7 +183,7 @@ def _grouped_linear_classes(backend):
 
         def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
                      skip_bias_add, is_expert=True, tp_comm_buffer_name=None, pg_collection=None,
-                     name=None):
+                     name=None, tp_group=None):
             super().__init__()
             if not is_expert:
                 raise ValueError("grouped linears serve MoE experts only (is_expert=True), as TE's")
@@ -198,7 +198,9 @@ def _grouped_linear_classes(backend):
             if pg_collection is None:
                 pg_collection = ProcessGroupCollection.use_mpu_process_groups(
                     required_pgs=["ep", "expt_tp", "expt_dp"])
-            self._pg_collection, self._tp_group = pg_collection, pg_collection.expt_tp
+            # core_v0.15's TEGroupedMLP passes the expert-TP group alone (tp_group=), 0.16+ the collection
+            self._pg_collection = pg_collection
+            self._tp_group = tp_group if tp_group is not None else pg_collection.expt_tp
             tp = self._tp_group.size() if self._tp_group is not None else 1
             if self.parallel_mode == "column":
                 output_size = divide(output_size, tp)
@@ -265,7 +267,7 @@ def _grouped_linear_classes(backend):
                     offsets = (*sharded_offsets, (len(sharded_offsets), offset + i, num_global))
                 sub = make_sharded_tensors_for_checkpoint(
                     state, "", {f"{i}.{k}": ax for k, ax in tp_axes.items()}, offsets,
-                    tp_group=self._tp_group, dp_cp_group=metadata.get("dp_cp_group"))
+                    **_sharding_groups(self._tp_group, metadata))
                 replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
                 for k in state:
                     out[f"{prefix}{k.split('.')[1]}{i}"] = sub[k]
@@ -279,6 +281,16 @@ def _grouped_linear_classes(backend):
 
     class AdaptRowParallelGroupedLinear(AdaptGroupedLinear):
         parallel_mode = "row"
+
+    def _sharding_groups(tp_group, metadata):
+        """make_sharded_tensors_for_checkpoint takes the groups from core_v0.16; 0.15's reads
+        parallel_state's TP group, which its TEGroupedMLP.sharded_state_dict swaps for expert TP
+        (expert_dist_ckpt_decorator)."""
+        if not groups_accepted:
+            return {}
+        return {"tp_group": tp_group, "dp_cp_group": metadata.get("dp_cp_group")}
+
+    groups_accepted = "tp_group" in inspect.signature(make_sharded_tensors_for_checkpoint).parameters
 
     for cls in (AdaptColumnParallelGroupedLinear, AdaptRowParallelGroupedLinear):
         cls.__megatron_adapt_impl__ = f"{backend.name}.grouped_gemm ({cls.__name__})"
@@ -300,6 +312,27 @@ def build_grouped_mlp_modules(backend, original):
             return original(self, moe_use_grouped_gemm)
         return partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
             linear_fc1=column, linear_fc2=row, activation_func=self.activation_func()))
+
+    grouped_mlp_modules.__megatron_adapt_impl__ = f"{backend.name}.grouped_gemm (TEGroupedMLP on grouped linears)"
+    return grouped_mlp_modules
+
+
+def build_grouped_mlp_modules_legacy(backend, original):
+    """core_v0.15-0.16: LocalSpecProvider.grouped_mlp_modules(True, legacy=False) -> TEGroupedMLP
+    on the backend's grouped linears, what TE's provider gives there with TE: its module tree and
+    parameter names (`experts.linear_fc1.weight0`, ...), bias (`--add-bias-linear`, Megatron's
+    default), `--moe-latent-size`. `--moe-use-legacy-grouped-gemm` (legacy=True) keeps Megatron's
+    GroupedMLP (its forward on the backend op, above), as with TE; False -> SequentialMLP, Megatron's.
+    patches/layer_specs' provider inherits it."""
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    column, row = grouped_linear_classes(backend)
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool = False):
+        if not moe_use_grouped_gemm or moe_use_legacy_grouped_gemm:
+            return original(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
+        return TEGroupedMLP, MLPSubmodules(linear_fc1=column, linear_fc2=row)
 
     grouped_mlp_modules.__megatron_adapt_impl__ = f"{backend.name}.grouped_gemm (TEGroupedMLP on grouped linears)"
     return grouped_mlp_modules
@@ -613,6 +646,8 @@ SPECS = [
     PatchSpec(f"{GG}:grouped_gemm", area="moe", versions=LEGACY, build=build_package),
     PatchSpec(f"{GG}:ops", area="moe", versions=LEGACY, build=build_ops),
     PatchSpec(f"{EXPERTS}:GroupedMLP.forward", area="moe", versions=LEGACY, build=build_grouped_mlp_forward),
+    PatchSpec("megatron.core.models.backends:LocalSpecProvider.grouped_mlp_modules", area="moe",
+              versions=LEGACY, build=build_grouped_mlp_modules_legacy),
     PatchSpec("megatron.core.models.backends:LocalSpecProvider.grouped_mlp_modules", area="moe",
               versions=CORE017, build=build_grouped_mlp_modules),
     _wrap("permute", build_permute, LEGACY),
