@@ -541,7 +541,7 @@ def _expert_weights(experts):
 
 
 def _grouped_experts_fused_wgrad(experts, x, sizes, probs, g, w1_ref, w2_ref):
-    """0.17+ with gradient_accumulation_fusion and DDP's main_grad buffers: the weight gradients
+    """With gradient_accumulation_fusion and DDP's main_grad buffers: the weight gradients
     land in main_grad (added to what is there), each weight flagged grad_added_to_main_grad."""
     weights = [p for n, p in experts.named_parameters() if ".weight" in n]
     for w in weights:
@@ -565,7 +565,7 @@ def _grouped_experts_fused_wgrad(experts, x, sizes, probs, g, w1_ref, w2_ref):
 
 
 def _grouped_experts_with_bias(config, sizes):
-    """TEGroupedMLP with add_bias_linear (core_v0.17+) against a per-expert fp64 loop: fc1's bias
+    """TEGroupedMLP with add_bias_linear against a per-expert fp64 loop: fc1's bias
     is added per expert inside the grouped linear, fc2's returned and scaled by the probs."""
     import dataclasses
 
@@ -607,7 +607,7 @@ def _grouped_experts_with_bias(config, sizes):
 @check("moe")
 def _():
     """Megatron's MoELayer from the default TE layer spec (TE absent): 5 experts, top-2, grouped
-    GEMM, alltoall dispatcher, aux loss, in fp32 (stock GroupedMLP accepts bf16 only).
+    GEMM (TEGroupedMLP on the backend's grouped linears), alltoall dispatcher, aux loss, in fp32.
     The experts against a per-expert fp64 loop with uneven and empty experts; the whole layer with
     --moe-permute-fusion / --moe-router-fusion against the same layer on Megatron's unfused code."""
     import torch.nn.functional as F
@@ -656,9 +656,9 @@ def _():
     out["empty_expert_grad_zero"] = bool((expert_w1("grad")[[1, 4]] == 0).all()
                                          and (expert_w2("grad")[[1, 4]] == 0).all())
 
-    if not hasattr(experts, "weight1"):  # 0.17+: the grouped linears' biases (fc1 added, fc2 returned)
-        out["experts_with_bias"] = _grouped_experts_with_bias(config, sizes)
-        out["experts_fused_wgrad"] = _grouped_experts_fused_wgrad(experts, x, sizes, probs, g, w1, w2)
+    # the grouped linears' biases (fc1 added, fc2 returned), and the fused weight-gradient path
+    out["experts_with_bias"] = _grouped_experts_with_bias(config, sizes)
+    out["experts_fused_wgrad"] = _grouped_experts_fused_wgrad(experts, x, sizes, probs, g, w1, w2)
 
     # the whole layer: fused flags (backend ops) against Megatron's unfused code, same weights
     hidden = torch.randn(8, 2, 32)

@@ -137,6 +137,34 @@ def compare(cfg, spec):
     return res, grouped, sequential
 
 
+def legacy_matches_sequential(legacy, cfg):
+    """GroupedMLP (its forward on the backend's grouped_gemm) against SequentialMLP, same weights:
+    expert i's fc1 is weight1.view(E, in, out)[i]^T."""
+    sequential = moe_layer(cfg, sequential_spec())
+    w1 = legacy.experts.weight1.view(E, H, -1)
+    w2 = legacy.experts.weight2.view(E, -1, H)
+    with torch.no_grad():
+        for p in (legacy.router.weight, legacy.experts.weight1, legacy.experts.weight2):
+            p.normal_()
+        sequential.router.weight.copy_(legacy.router.weight)
+        for i, expert in enumerate(sequential.experts.local_experts):
+            expert.linear_fc1.weight.copy_(w1[i].t())
+            expert.linear_fc2.weight.copy_(w2[i].t())
+    hidden = torch.randn(16, 2, H)
+    before = sum(report.op_counts().get("grouped_gemm", {}).values())
+    yl, dl = run(legacy, hidden)
+    calls = sum(report.op_counts().get("grouped_gemm", {}).values()) - before
+    ys, ds = run(sequential, hidden)
+    g1 = torch.stack([e.linear_fc1.weight.grad.t() for e in sequential.experts.local_experts])
+    g2 = torch.stack([e.linear_fc2.weight.grad.t() for e in sequential.experts.local_experts])
+    def rel(a, b):
+        return max_diff(a, b) / float(b.abs().max())
+    return {"grouped_gemm_calls": calls, "out_norm": float(yl.norm()), "out_rel_diff": rel(yl, ys),
+            "input_grad_rel_diff": rel(dl, ds),
+            "weight_grad_rel_diff": max(rel(legacy.experts.weight1.grad.view(E, H, -1), g1),
+                                        rel(legacy.experts.weight2.grad.view(E, -1, H), g2))}
+
+
 def checkpoint(grouped, sequential):
     """SequentialMLP's dist checkpoint loaded into the grouped experts: Megatron keeps the sharded
     keys of both the same (experts.linear_fc1.weight with a global expert axis, ...)."""
@@ -195,7 +223,7 @@ def main():
     # --moe-use-legacy-grouped-gemm: Megatron's GroupedMLP, which takes no bias (its own assertion)
     legacy_cfg = config(add_bias_linear=False, moe_use_legacy_grouped_gemm=True)
     legacy = moe_layer(legacy_cfg, te_spec(moe_use_legacy_grouped_gemm=True))
-    results["legacy_flag"] = {"experts": type(legacy.experts).__name__}
+    results["legacy_flag"] = {"experts": type(legacy.experts).__name__, **legacy_matches_sequential(legacy, legacy_cfg)}
     try:
         moe_layer(dataclasses.replace(legacy_cfg, add_bias_linear=True), te_spec(moe_use_legacy_grouped_gemm=True))
         results["legacy_flag"]["with_bias"] = "built"

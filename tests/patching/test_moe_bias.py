@@ -6,7 +6,8 @@ legacy GroupedMLP (which refuses a bias) only under `--moe-use-legacy-grouped-ge
 Through Megatron's real specs (the default TE spec served without TE, and the local spec), in a fresh
 interpreter (moe_bias_worker.py): the MoE layer against the same layer on Megatron's SequentialMLP
 with the same weights, forward, backward and three SGD steps; a SequentialMLP dist checkpoint and a
-legacy GroupedMLP one load into the grouped experts. 0.17+ serve TEGroupedMLP through their own spec
+legacy GroupedMLP one load into the grouped experts; --moe-use-legacy-grouped-gemm's GroupedMLP
+against SequentialMLP too. 0.17+ serve TEGroupedMLP through their own spec
 (test_patches.py::TestMoE covers its bias)."""
 import json
 import os
@@ -57,7 +58,12 @@ def test_sequential_mlp_checkpoint_loads_into_grouped_experts():
 
 def test_legacy_flag_keeps_grouped_mlp_and_its_checkpoints_load():
     r = result()
-    assert r["legacy_flag"]["experts"] == "GroupedMLP", r   # --moe-use-legacy-grouped-gemm, as with TE
+    legacy = r["legacy_flag"]
+    assert legacy["experts"] == "GroupedMLP", r   # --moe-use-legacy-grouped-gemm, as with TE
+    # its forward on the backend's grouped_gemm (fp32: stock GroupedMLP takes bf16 only) against
+    # SequentialMLP with the same weights
+    assert legacy["grouped_gemm_calls"] == 2 and legacy["out_norm"] > 1.0, legacy
+    assert max(legacy["out_rel_diff"], legacy["input_grad_rel_diff"], legacy["weight_grad_rel_diff"]) < 1e-5, legacy
     assert "bias not supported in Grouped GEMM" in r["legacy_flag"]["with_bias"], r
     c = r["legacy_checkpoint"]
     assert c["experts"] == "TEGroupedMLP" and c["diff_before_load"] > 0.01 and c["loaded_diff"] == 0.0, c
