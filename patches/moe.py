@@ -1,12 +1,18 @@
 """Mixture-of-experts without Transformer Engine or the `grouped_gemm` package.
 
-- `--moe-grouped-gemm`: without TE, Megatron's spec providers (its local one, and
-  patches/layer_specs' provider behind the default TE spec) build the legacy `GroupedMLP`, which
-  needs the `grouped_gemm` package (`grouped_gemm_util.grouped_gemm` / `.ops`) and accepts only
-  bf16. This area binds those two module globals to a namespace whose `ops.gmm(a, b, batch_sizes,
-  trans_b)` (the package's API) runs the backend's `grouped_gemm` op, and replaces
-  `GroupedMLP.forward` with the same computation minus the bf16-only assertion (the backend op
-  takes every float dtype). With the package installed, the package stays (specs skipped).
+- `--moe-grouped-gemm`: on every release the experts are `TEGroupedMLP` on the backend's grouped
+  linears (below), what TE's provider builds with TE, biases included. On core_v0.15-0.16 Megatron's
+  providers without TE (its local one, and patches/layer_specs' provider behind the default TE
+  spec, which inherits it) would build the legacy `GroupedMLP`, which takes no bias (Megatron's
+  default `--add-bias-linear` failed at model build) and needs the `grouped_gemm` package; there
+  `LocalSpecProvider.grouped_mlp_modules` gives TEGroupedMLP unless `--moe-use-legacy-grouped-gemm`
+  (as TE's provider does). Dist checkpoints of either load into the other (Megatron keeps their
+  sharded keys the same, SequentialMLP's too).
+- `--moe-use-legacy-grouped-gemm` (0.15-0.16): Megatron's `GroupedMLP`, whose `grouped_gemm_util.
+  grouped_gemm` / `.ops` module globals are bound to a namespace whose `ops.gmm(a, b, batch_sizes,
+  trans_b)` (the package's API) runs the backend's `grouped_gemm` op; `GroupedMLP.forward` is
+  replaced with the same computation minus the bf16-only assertion (the backend op takes every
+  float dtype). With the package installed, the package stays (specs skipped).
 - `--moe-permute-fusion`: `permute`, `unpermute` and `sort_chunks_by_idxs` with fused=True run the
   backend's `moe_permute` / `moe_unpermute` / `moe_sort_chunks`; the five TE names the
   TransformerConfig check imports from moe_utils (`fused_permute`, ...) are created with TE's
@@ -23,15 +29,14 @@
 - `validate_args`' compute-capability check for --moe-grouped-gemm reads (8, 0) while it runs
   on a device reporting less (the check guards the grouped_gemm package's CUTLASS kernels).
 
-core_v0.17+ removed the legacy GroupedMLP and grouped_gemm_util: its experts are TEGroupedMLP, which
-takes a grouped-linear builder pair (TE's TEColumnParallelGroupedLinear / TERowParallelGroupedLinear,
-None without TE). There `LocalSpecProvider.grouped_mlp_modules(True)` (also what patches/layer_specs'
-provider behind the default TE spec inherits) gives TEGroupedMLP on `AdaptColumnParallelGroupedLinear`
-/ `AdaptRowParallelGroupedLinear`: per-expert parameters named as TE's (`weight0`, ... `bias0`, ...),
-one call of the backend's `grouped_gemm` op per linear, checkpoints sharded per expert as TE's (and
-SequentialMLP's). `permute` returns 5 values and `unpermute` takes `pad_offsets` from 0.17;
-`te_general_gemm` is bound (None without TE) and Megatron's torch path serves the router, so that
-spec ends at 0.17.
+The grouped linears, `AdaptColumnParallelGroupedLinear` / `AdaptRowParallelGroupedLinear`, take TE's
+TEColumnParallelGroupedLinear / TERowParallelGroupedLinear constructor (0.15's TEGroupedMLP passes
+`tp_group=`, 0.16+ `pg_collection=`): per-expert parameters named as TE's (`weight0`, ... `bias0`,
+...), one call of the backend's `grouped_gemm` op per linear, checkpoints sharded per expert as TE's
+(and SequentialMLP's). core_v0.17+ removed the legacy GroupedMLP and grouped_gemm_util; its
+`LocalSpecProvider.grouped_mlp_modules(True)` gives TEGroupedMLP on them (GroupedMLPSubmodules).
+`permute` returns 5 values and `unpermute` takes `pad_offsets` from 0.17; `te_general_gemm` is bound
+(None without TE) and Megatron's torch path serves the router, so that spec ends at 0.17.
 The `transformer_engine` package is not faked: moe_utils.HAVE_TE stays False. See docs/moe.md.
 """
 import inspect
@@ -320,10 +325,10 @@ def build_grouped_mlp_modules(backend, original):
 def build_grouped_mlp_modules_legacy(backend, original):
     """core_v0.15-0.16: LocalSpecProvider.grouped_mlp_modules(True, legacy=False) -> TEGroupedMLP
     on the backend's grouped linears, what TE's provider gives there with TE: its module tree and
-    parameter names (`experts.linear_fc1.weight0`, ...), bias (`--add-bias-linear`, Megatron's
-    default), `--moe-latent-size`. `--moe-use-legacy-grouped-gemm` (legacy=True) keeps Megatron's
-    GroupedMLP (its forward on the backend op, above), as with TE; False -> SequentialMLP, Megatron's.
-    patches/layer_specs' provider inherits it."""
+    parameter names (`experts.linear_fc1.weight0`, ...), biases (`--add-bias-linear`, Megatron's
+    default, which the legacy GroupedMLP refuses). `--moe-use-legacy-grouped-gemm` (legacy=True)
+    keeps Megatron's GroupedMLP (its forward on the backend op, above), as with TE; False ->
+    SequentialMLP, Megatron's. patches/layer_specs' provider inherits it."""
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 

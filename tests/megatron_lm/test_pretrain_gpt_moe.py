@@ -118,10 +118,12 @@ def test_ep2_capacity_padded_dispatch_with_the_graph_switch(tmp_path):
 
 def test_ep2_grouped_experts_with_bias(tmp_path):
     """Megatron's default --add-bias-linear with --moe-grouped-gemm: TEGroupedMLP on the backend's
-    grouped linears on every release (0.15-0.16's legacy GroupedMLP refuses a bias).
-    --no-bias-dropout-fusion: TEGroupedMLP asserts it with a bias, with TE too."""
+    grouped linears on every release (0.15-0.16's legacy GroupedMLP refuses a bias). Megatron's
+    TEGroupedMLP (with TE too) asserts --no-bias-dropout-fusion with a bias, and fuses bias and
+    activation only for SwiGLU / quick-GeLU (GeLU needs --no-bias-gelu-fusion): --swiglu here, fused."""
     moe = [a for a in MOE if a != "--disable-bias-linear"]
-    run = pretrain(["--expert-model-parallel-size", "2", "--no-bias-dropout-fusion"], tmp_path, "ep2_bias", moe=moe)
+    run = pretrain(["--expert-model-parallel-size", "2", "--no-bias-dropout-fusion", "--swiglu"], tmp_path,
+                   "ep2_bias", moe=moe)
     base.assert_loss_falls(run)
     assert_moe_ran(run)
     assert "add_bias_linear ................................. True" in run.out
