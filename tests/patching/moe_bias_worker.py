@@ -27,6 +27,7 @@ def config(**kw):
     base = dict(num_layers=1, hidden_size=H, num_attention_heads=4, ffn_hidden_size=48, num_moe_experts=E,
                 moe_ffn_hidden_size=24, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
                 moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, add_bias_linear=True,
+                moe_grouped_gemm=True,
                 bias_dropout_fusion=False,  # TEGroupedMLP asserts it off with bias (as with TE)
                 gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=True,
                 use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)
@@ -83,14 +84,18 @@ def _copied_output(forward):
 
 
 def max_diff(a, b):
-    return float((a.float() - b.float()).abs().max())
+    """Largest |a - b|; inf where either has a NaN (max() over NaNs would hide them)."""
+    d = (a.float() - b.float()).abs()
+    return float("inf") if bool(d.isnan().any()) else float(d.max())
 
 
 def compare(cfg, spec):
     # Megatron's MLP refuses its fused weighted SwiGLU with a bias (the grouped experts add fc1's
     # bias inside the linear, so the fusion takes none): the reference runs it unfused
     grouped = moe_layer(cfg, spec)
-    sequential = moe_layer(dataclasses.replace(cfg, bias_activation_fusion=False), sequential_spec())
+    # (and SequentialMLP recomputes no moe_act: Megatron allows it with grouped GEMM only)
+    sequential = moe_layer(dataclasses.replace(cfg, bias_activation_fusion=False, moe_grouped_gemm=False,
+                                               recompute_granularity=None), sequential_spec())
     for expert in sequential.experts.local_experts:
         # with one TP rank RowParallelLinear returns its reduce's input as-is, which MLP's
         # `output += bias * probs` then modifies in place: autograd refuses (Megatron's MLP, any
@@ -103,6 +108,8 @@ def compare(cfg, spec):
         for name, p in mapped.items():
             if name == "router.weight" or name.startswith("experts.") and name.endswith("bias"):
                 p.normal_()    # biases start at zero: make them count; spread the routing
+            elif name == "router.bias":
+                p.zero_()      # core_v0.15's TopKRouter leaves it torch.empty (0.16 initialises it)
             seq_params[name].copy_(p)
     hidden = torch.randn(16, 2, H)
     before = sum(report.op_counts().get("grouped_gemm", {}).values())
@@ -112,7 +119,7 @@ def compare(cfg, spec):
     grads = {n: max_diff(p.grad, seq_params[n].grad) for n, p in mapped.items()}
     res = {"experts": type(grouped.experts).__name__, "reference": type(sequential.experts).__name__,
            "linears": [type(grouped.experts.linear_fc1).__name__, type(grouped.experts.linear_fc2).__name__],
-           "grouped_gemm_calls": calls, "out_diff": max_diff(yg, ys), "input_grad_diff": max_diff(dg, ds),
+           "grouped_gemm_calls": calls, "recomputes_act": bool(grouped.experts.activation_recompute), "out_diff": max_diff(yg, ys), "input_grad_diff": max_diff(dg, ds),
            "param_grad_diff": max(grads.values()), "params": len(grads),
            "bias_grads_zero": sorted(n for n, p in mapped.items()
                                      if ".linear_fc" in n and n.endswith("bias") and not bool(p.grad.abs().sum() > 0)),
@@ -220,6 +227,10 @@ def main():
     results["local_spec_gelu"] = compare(config(gated_linear_unit=False, activation_func=F.gelu,
                                                 bias_activation_fusion=False),
                                          get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=True))[0]
+    # --recompute-modules moe_act (what Megatron's fine-grained offloading test sets for MoE): the
+    # biased fc1 output's activation recomputed in the backward
+    results["recompute_moe_act"] = compare(config(recompute_granularity="selective", recompute_modules=["moe_act"]),
+                                           te_spec())[0]
     # --moe-use-legacy-grouped-gemm: Megatron's GroupedMLP, which takes no bias (its own assertion)
     legacy_cfg = config(add_bias_linear=False, moe_use_legacy_grouped_gemm=True)
     legacy = moe_layer(legacy_cfg, te_spec(moe_use_legacy_grouped_gemm=True))

@@ -31,12 +31,13 @@ def result() -> dict:
     return json.loads(next(l for l in out.splitlines() if l.startswith("PROBE-JSON:"))[len("PROBE-JSON:"):])
 
 
-@pytest.mark.parametrize("case", ["te_spec_swiglu", "local_spec_gelu"])
+@pytest.mark.parametrize("case", ["te_spec_swiglu", "local_spec_gelu", "recompute_moe_act"])
 def test_grouped_experts_with_bias_match_sequential_mlp(case):
     r = result()[case]
     assert r["experts"] == "TEGroupedMLP" and r["reference"] == "SequentialMLP", r
     assert r["linears"] == ["AdaptColumnParallelGroupedLinear", "AdaptRowParallelGroupedLinear"], r
     assert r["grouped_gemm_calls"] == 2, r             # fc1 and fc2 on the backend op
+    assert r["recomputes_act"] == (case == "recompute_moe_act"), r
     assert r["params"] == 18, r                        # router weight + bias, 4 experts x 2 linears x (w, b)
     assert r["out_norm"] > 1.0 and r["out_diff"] < 1e-5, r
     assert r["input_grad_diff"] < 1e-5 and r["param_grad_diff"] < 1e-5, r
