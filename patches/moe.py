@@ -1,18 +1,18 @@
 """Mixture-of-experts without Transformer Engine or the `grouped_gemm` package.
 
-- `--moe-grouped-gemm`: on every release the experts are `TEGroupedMLP` on the backend's grouped
-  linears (below), what TE's provider builds with TE, biases included. On core_v0.15-0.16 Megatron's
-  providers without TE (its local one, and patches/layer_specs' provider behind the default TE
-  spec, which inherits it) would build the legacy `GroupedMLP`, which takes no bias (Megatron's
-  default `--add-bias-linear` failed at model build) and needs the `grouped_gemm` package; there
-  `LocalSpecProvider.grouped_mlp_modules` gives TEGroupedMLP unless `--moe-use-legacy-grouped-gemm`
-  (as TE's provider does). Dist checkpoints of either load into the other (Megatron keeps their
-  sharded keys the same, SequentialMLP's too).
-- `--moe-use-legacy-grouped-gemm` (0.15-0.16): Megatron's `GroupedMLP`, whose `grouped_gemm_util.
-  grouped_gemm` / `.ops` module globals are bound to a namespace whose `ops.gmm(a, b, batch_sizes,
-  trans_b)` (the package's API) runs the backend's `grouped_gemm` op; `GroupedMLP.forward` is
-  replaced with the same computation minus the bf16-only assertion (the backend op takes every
-  float dtype). With the package installed, the package stays (specs skipped).
+- `--moe-grouped-gemm` on core_v0.15-0.16: without TE, Megatron's spec providers (its local one,
+  and patches/layer_specs' provider behind the default TE spec, which inherits it) build the legacy
+  `GroupedMLP`, which takes no bias and needs the `grouped_gemm` package (bf16 only).
+  `LocalSpecProvider.grouped_mlp_modules` gives `AdaptGroupedExperts`, which builds, per config:
+  with `--add-bias-linear` (Megatron's default; GroupedMLP failed at model build) `TEGroupedMLP` on
+  the backend's grouped linears (below), what TE's provider builds with TE; without biases
+  Megatron's `GroupedMLP`, as before (its weights stay one stacked parameter per linear: no stacked
+  copy per forward). Dist checkpoints of either load into the other and into SequentialMLP's
+  (Megatron keeps their sharded keys the same). `--moe-use-legacy-grouped-gemm`: GroupedMLP.
+- `GroupedMLP` (0.15-0.16): `grouped_gemm_util.grouped_gemm` / `.ops` are bound to a namespace whose
+  `ops.gmm(a, b, batch_sizes, trans_b)` (the package's API) runs the backend's `grouped_gemm` op;
+  `GroupedMLP.forward` is replaced with the same computation minus the bf16-only assertion (the
+  backend op takes every float dtype). With the package installed, the package stays (specs skipped).
 - `--moe-permute-fusion`: `permute`, `unpermute` and `sort_chunks_by_idxs` with fused=True run the
   backend's `moe_permute` / `moe_unpermute` / `moe_sort_chunks`; the five TE names the
   TransformerConfig check imports from moe_utils (`fused_permute`, ...) are created with TE's
@@ -322,24 +322,50 @@ def build_grouped_mlp_modules(backend, original):
     return grouped_mlp_modules
 
 
-def build_grouped_mlp_modules_legacy(backend, original):
-    """core_v0.15-0.16: LocalSpecProvider.grouped_mlp_modules(True, legacy=False) -> TEGroupedMLP
-    on the backend's grouped linears, what TE's provider gives there with TE: its module tree and
-    parameter names (`experts.linear_fc1.weight0`, ...), biases (`--add-bias-linear`, Megatron's
-    default, which the legacy GroupedMLP refuses). `--moe-use-legacy-grouped-gemm` (legacy=True)
-    keeps Megatron's GroupedMLP (its forward on the backend op, above), as with TE; False ->
-    SequentialMLP, Megatron's. patches/layer_specs' provider inherits it."""
+def grouped_experts_class(backend):
+    """core_v0.15-0.16: the experts class `--moe-grouped-gemm` builds (see build_grouped_mlp_modules_legacy)."""
     from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.moe.experts import GroupedMLP, TEGroupedMLP
 
+    column, row = grouped_linear_classes(backend)
+
+    class AdaptGroupedExperts:
+        """With config.add_bias_linear: TEGroupedMLP on the backend's grouped linears (TE's module
+        tree, parameter names and checkpoint layout; biases served); without: Megatron's GroupedMLP
+        (one [E*in, out] weight per linear, its forward on the backend's grouped_gemm). The spec is
+        built before the config exists, so the choice is made here, at construction."""
+
+        def __new__(cls, num_local_experts, config, submodules=None, pg_collection=None):
+            if config.add_bias_linear:
+                act = getattr(submodules, "activation_func", None)
+                return TEGroupedMLP(num_local_experts, config,
+                                    MLPSubmodules(linear_fc1=column, linear_fc2=row, activation_func=act),
+                                    pg_collection=pg_collection)
+            return GroupedMLP(num_local_experts, config, pg_collection=pg_collection)
+
+    AdaptGroupedExperts.__megatron_adapt_impl__ = (
+        f"{backend.name}.grouped_gemm (bias: TEGroupedMLP on grouped linears; else GroupedMLP)")
+    return AdaptGroupedExperts
+
+
+def build_grouped_mlp_modules_legacy(backend, original):
+    """core_v0.15-0.16: LocalSpecProvider.grouped_mlp_modules(True, legacy=False) -> experts that are
+    TEGroupedMLP on the backend's grouped linears when the model has biases (Megatron's default
+    `--add-bias-linear`, which the legacy GroupedMLP refuses at build; TE's provider gives
+    TEGroupedMLP there), Megatron's GroupedMLP otherwise (as before: no change for configurations
+    that ran). `--moe-use-legacy-grouped-gemm` (legacy=True) and False: Megatron's own (GroupedMLP,
+    SequentialMLP). patches/layer_specs' provider inherits it."""
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    experts = grouped_experts_class(backend)
     column, row = grouped_linear_classes(backend)
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool = False):
         if not moe_use_grouped_gemm or moe_use_legacy_grouped_gemm:
             return original(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
-        return TEGroupedMLP, MLPSubmodules(linear_fc1=column, linear_fc2=row)
+        return experts, MLPSubmodules(linear_fc1=column, linear_fc2=row)
 
-    grouped_mlp_modules.__megatron_adapt_impl__ = f"{backend.name}.grouped_gemm (TEGroupedMLP on grouped linears)"
+    grouped_mlp_modules.__megatron_adapt_impl__ = experts.__megatron_adapt_impl__
     return grouped_mlp_modules
 
 

@@ -35,7 +35,7 @@ def _required_moe_patches():
 
     common = ("megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu",
               "megatron.training.arguments:validate_args")
-    # TEGroupedMLP on the backend's grouped linears (every release)
+    # 0.15-0.16: GroupedMLP without biases, TEGroupedMLP with; 0.17+: TEGroupedMLP
     common += ("megatron.core.models.backends:LocalSpecProvider.grouped_mlp_modules",)
     if megatron_core_version() >= Version("0.17.0"):
         return common
@@ -118,7 +118,8 @@ def test_ep2_capacity_padded_dispatch_with_the_graph_switch(tmp_path):
 
 def test_ep2_grouped_experts_with_bias(tmp_path):
     """Megatron's default --add-bias-linear with --moe-grouped-gemm: TEGroupedMLP on the backend's
-    grouped linears on every release (0.15-0.16's legacy GroupedMLP refuses a bias). Megatron's
+    grouped linears on every release (0.15-0.16's legacy GroupedMLP, built without biases, refuses
+    them). Megatron's
     TEGroupedMLP (with TE too) asserts --no-bias-dropout-fusion with a bias, and fuses bias and
     activation only for SwiGLU / quick-GeLU (GeLU needs --no-bias-gelu-fusion): --swiglu here, fused."""
     moe = [a for a in MOE if a != "--disable-bias-linear"]

@@ -576,6 +576,8 @@ def _grouped_experts_with_bias(config, sizes):
                               moe_permute_fusion=False, moe_router_fusion=False)
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=5, moe_grouped_gemm=True)
     experts = GPTModel(cfg, spec, vocab_size=64, max_sequence_length=16).decoder.layers[0].mlp.experts
+    if type(experts).__name__ != "TEGroupedMLP":
+        return {"experts_class": type(experts).__name__}
     fc1, fc2 = experts.linear_fc1, experts.linear_fc2
     with torch.no_grad():
         for i in range(5):
@@ -607,7 +609,7 @@ def _grouped_experts_with_bias(config, sizes):
 @check("moe")
 def _():
     """Megatron's MoELayer from the default TE layer spec (TE absent): 5 experts, top-2, grouped
-    GEMM (TEGroupedMLP on the backend's grouped linears), alltoall dispatcher, aux loss, in fp32.
+    GEMM, alltoall dispatcher, aux loss, in fp32 (stock GroupedMLP accepts bf16 only).
     The experts against a per-expert fp64 loop with uneven and empty experts; the whole layer with
     --moe-permute-fusion / --moe-router-fusion against the same layer on Megatron's unfused code."""
     import torch.nn.functional as F
@@ -656,9 +658,10 @@ def _():
     out["empty_expert_grad_zero"] = bool((expert_w1("grad")[[1, 4]] == 0).all()
                                          and (expert_w2("grad")[[1, 4]] == 0).all())
 
-    # the grouped linears' biases (fc1 added, fc2 returned), and the fused weight-gradient path
+    # with biases TEGroupedMLP on the grouped linears on every release (fc1's bias added, fc2's returned)
     out["experts_with_bias"] = _grouped_experts_with_bias(config, sizes)
-    out["experts_fused_wgrad"] = _grouped_experts_fused_wgrad(experts, x, sizes, probs, g, w1, w2)
+    if not hasattr(experts, "weight1"):  # 0.17+ (0.15-0.16 without biases: GroupedMLP, one weight per linear)
+        out["experts_fused_wgrad"] = _grouped_experts_fused_wgrad(experts, x, sizes, probs, g, w1, w2)
 
     # the whole layer: fused flags (backend ops) against Megatron's unfused code, same weights
     hidden = torch.randn(8, 2, 32)

@@ -3,8 +3,9 @@ Megatron's MoELayer built from its real specs under megatron-adapt (cpu backend,
 against the same layer with Megatron's own SequentialMLP (local experts on ColumnParallelLinear /
 RowParallelLinear), same weights. Prints PROBE-JSON: the experts' classes, forward and backward
 differences (output, input, router, every expert weight and bias), three SGD steps of both, the
-dist-checkpoint keys of both, a SequentialMLP checkpoint loaded into the grouped experts, and what
---moe-use-legacy-grouped-gemm still builds."""
+dist-checkpoint keys of both, a SequentialMLP checkpoint loaded into the grouped experts, and
+what builds without biases (GroupedMLP, against SequentialMLP too), with
+--moe-use-legacy-grouped-gemm, and a TE-built model's expert checkpoint into and out of GroupedMLP."""
 import dataclasses
 import json
 import os
@@ -145,7 +146,8 @@ def compare(cfg, spec):
 
 
 def legacy_matches_sequential(legacy, cfg):
-    """GroupedMLP (its forward on the backend's grouped_gemm) against SequentialMLP, same weights:
+    """GroupedMLP (its forward on the backend's grouped_gemm, fp32: stock takes bf16 only) against
+    SequentialMLP, same weights:
     expert i's fc1 is weight1.view(E, in, out)[i]^T."""
     sequential = moe_layer(cfg, sequential_spec())
     w1 = legacy.experts.weight1.view(E, H, -1)
@@ -170,6 +172,54 @@ def legacy_matches_sequential(legacy, cfg):
             "input_grad_rel_diff": rel(dl, ds),
             "weight_grad_rel_diff": max(rel(legacy.experts.weight1.grad.view(E, H, -1), g1),
                                         rel(legacy.experts.weight2.grad.view(E, -1, H), g2))}
+
+
+def te_grouped_spec(spec):
+    """The layer spec with TEGroupedMLP experts on the backend's grouped linears whatever the bias:
+    the module tree and sharded layout a TE-built model has."""
+    import copy
+
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    import megatron_adapt
+    from megatron_adapt.patches.moe import grouped_linear_classes
+
+    column, row = grouped_linear_classes(megatron_adapt.active_backend())
+    spec = copy.deepcopy(spec)
+    spec.submodules.mlp.submodules.experts = ModuleSpec(
+        module=TEGroupedMLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row))
+    return spec
+
+
+def _expert_weights(layer):
+    """[E, out, in] fc1 and fc2 weights of TEGroupedMLP's grouped linears or GroupedMLP's stacked ones."""
+    x = layer.experts
+    if hasattr(x, "weight1"):
+        return (x.weight1.detach().view(E, H, -1).transpose(1, 2), x.weight2.detach().view(E, -1, H).transpose(1, 2))
+    return tuple(torch.stack([getattr(lin, f"weight{i}").detach() for i in range(E)])
+                 for lin in (x.linear_fc1, x.linear_fc2))
+
+
+def checkpoint_roundtrip(a, b):
+    """a's dist checkpoint loaded into b, then b's (changed) into a: expert weights equal each time."""
+    out = {}
+    for tag, src, dst in (("forward", a, b), ("back", b, a)):
+        with torch.no_grad():
+            for p in src.experts.parameters():
+                p.add_(torch.randn_like(p))
+        before = max(max_diff(s, d) for s, d in zip(_expert_weights(src), _expert_weights(dst)))
+        with tempfile.TemporaryDirectory() as d:
+            dist_checkpointing.save(src.sharded_state_dict(prefix="mlp."), d)
+            # the grouped linears keep no _extra_state (TE's hold fp8 metadata there; GroupedMLP
+            # asks for it): the load logs those keys as missing instead of refusing
+            loaded = dist_checkpointing.load(dst.sharded_state_dict(prefix="mlp."), d,
+                                             strict=dist_checkpointing.validation.StrictHandling.LOG_ALL)
+        dst.load_state_dict({k[len("mlp."):]: v for k, v in loaded.items()}, strict=False)
+        after = max(max_diff(s, d) for s, d in zip(_expert_weights(src), _expert_weights(dst)))
+        out[tag] = {"diff_before_load": before, "loaded_diff": after}
+    return out
 
 
 def checkpoint(grouped, sequential):
@@ -231,29 +281,23 @@ def main():
     # biased fc1 output's activation recomputed in the backward
     results["recompute_moe_act"] = compare(config(recompute_granularity="selective", recompute_modules=["moe_act"]),
                                            te_spec())[0]
-    # --moe-use-legacy-grouped-gemm: Megatron's GroupedMLP, which takes no bias (its own assertion)
+    # without biases the default spec keeps Megatron's GroupedMLP (its forward on the backend op)
+    plain_cfg = config(add_bias_linear=False)
+    plain = moe_layer(plain_cfg, te_spec())
+    results["no_bias"] = {"experts": type(plain.experts).__name__, **legacy_matches_sequential(plain, plain_cfg)}
+    # --moe-use-legacy-grouped-gemm: GroupedMLP, which refuses a bias (its own assertion, with TE too)
     legacy_cfg = config(add_bias_linear=False, moe_use_legacy_grouped_gemm=True)
-    legacy = moe_layer(legacy_cfg, te_spec(moe_use_legacy_grouped_gemm=True))
-    results["legacy_flag"] = {"experts": type(legacy.experts).__name__, **legacy_matches_sequential(legacy, legacy_cfg)}
+    results["legacy_flag"] = {"experts": type(moe_layer(legacy_cfg, te_spec(moe_use_legacy_grouped_gemm=True)).experts).__name__}
     try:
         moe_layer(dataclasses.replace(legacy_cfg, add_bias_linear=True), te_spec(moe_use_legacy_grouped_gemm=True))
         results["legacy_flag"]["with_bias"] = "built"
     except AssertionError as exc:
         results["legacy_flag"]["with_bias"] = str(exc)
-    # a checkpoint of the legacy GroupedMLP (what megatron-adapt built on 0.15-0.16 before) loads
-    # into the TEGroupedMLP now built for the same flags
-    grouped = moe_layer(dataclasses.replace(legacy_cfg, moe_use_legacy_grouped_gemm=False), te_spec())
-    results["legacy_checkpoint"] = {"experts": type(grouped.experts).__name__}
-    w1 = legacy.experts.weight1.detach().view(E, H, -1)     # [E, in, out]
-    w2 = legacy.experts.weight2.detach().view(E, -1, H)
-    results["legacy_checkpoint"]["diff_before_load"] = max_diff(w1[0].t(), grouped.experts.linear_fc1.weight0)
-    with tempfile.TemporaryDirectory() as d:
-        dist_checkpointing.save(legacy.sharded_state_dict(prefix="mlp."), d)
-        loaded = dist_checkpointing.load(grouped.sharded_state_dict(prefix="mlp."), d)
-    grouped.load_state_dict({k[len("mlp."):]: v for k, v in loaded.items()}, strict=False)
-    results["legacy_checkpoint"]["loaded_diff"] = max(
-        max(max_diff(w1[i].t(), getattr(grouped.experts.linear_fc1, f"weight{i}")),
-            max_diff(w2[i].t(), getattr(grouped.experts.linear_fc2, f"weight{i}"))) for i in range(E))
+    # a TE-built model's experts without biases (TEGroupedMLP: grouped linears with TE's names and
+    # sharding) checkpointed, loaded into the GroupedMLP built here for the same flags, and back
+    te_built = moe_layer(plain_cfg, te_grouped_spec(te_spec()))
+    results["te_checkpoint"] = {"source": type(te_built.experts).__name__, "target": type(plain.experts).__name__}
+    results["te_checkpoint"].update(checkpoint_roundtrip(te_built, plain))
     print("PROBE-JSON:" + json.dumps(results))
     sys.stdout.flush()
 

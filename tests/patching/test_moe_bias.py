@@ -1,13 +1,13 @@
 """Grouped MoE experts with bias on megatron-core 0.15 - 0.16 (patches/moe.py,
 build_grouped_mlp_modules_legacy): `--moe-grouped-gemm` with Megatron's default `--add-bias-linear`
-builds TEGroupedMLP on the backend's grouped linears, as Megatron's TE provider does with TE; the
-legacy GroupedMLP (which refuses a bias) only under `--moe-use-legacy-grouped-gemm`.
+builds TEGroupedMLP on the backend's grouped linears, as Megatron's TE provider does with TE; without
+biases Megatron's legacy GroupedMLP stays (it refuses a bias), as under `--moe-use-legacy-grouped-gemm`.
 
 Through Megatron's real specs (the default TE spec served without TE, and the local spec), in a fresh
 interpreter (moe_bias_worker.py): the MoE layer against the same layer on Megatron's SequentialMLP
-with the same weights, forward, backward and three SGD steps; a SequentialMLP dist checkpoint and a
-legacy GroupedMLP one load into the grouped experts; --moe-use-legacy-grouped-gemm's GroupedMLP
-against SequentialMLP too. 0.17+ serve TEGroupedMLP through their own spec
+with the same weights, forward, backward and three SGD steps; a SequentialMLP dist checkpoint loads
+into the grouped experts; without biases GroupedMLP against SequentialMLP, and a TE-built
+(TEGroupedMLP) expert checkpoint into GroupedMLP and back. 0.17+ serve TEGroupedMLP through their own spec
 (test_patches.py::TestMoE covers its bias)."""
 import json
 import os
@@ -57,14 +57,24 @@ def test_sequential_mlp_checkpoint_loads_into_grouped_experts():
     assert r["diff_before_load"] > 0.1 and r["loaded_diff"] == 0.0, r
 
 
-def test_legacy_flag_keeps_grouped_mlp_and_its_checkpoints_load():
-    r = result()
-    legacy = r["legacy_flag"]
-    assert legacy["experts"] == "GroupedMLP", r   # --moe-use-legacy-grouped-gemm, as with TE
+def test_without_bias_grouped_mlp_stays_and_matches_sequential_mlp():
+    """No bias: Megatron's GroupedMLP as before this change (one stacked weight per linear)."""
+    r = result()["no_bias"]
+    assert r["experts"] == "GroupedMLP", r
     # its forward on the backend's grouped_gemm (fp32: stock GroupedMLP takes bf16 only) against
     # SequentialMLP with the same weights
-    assert legacy["grouped_gemm_calls"] == 2 and legacy["out_norm"] > 1.0, legacy
-    assert max(legacy["out_rel_diff"], legacy["input_grad_rel_diff"], legacy["weight_grad_rel_diff"]) < 1e-5, legacy
-    assert "bias not supported in Grouped GEMM" in r["legacy_flag"]["with_bias"], r
-    c = r["legacy_checkpoint"]
-    assert c["experts"] == "TEGroupedMLP" and c["diff_before_load"] > 0.01 and c["loaded_diff"] == 0.0, c
+    assert r["grouped_gemm_calls"] == 2 and r["out_norm"] > 1.0, r
+    assert max(r["out_rel_diff"], r["input_grad_rel_diff"], r["weight_grad_rel_diff"]) < 1e-5, r
+
+
+def test_legacy_flag_builds_grouped_mlp_which_refuses_bias():
+    r = result()["legacy_flag"]
+    assert r["experts"] == "GroupedMLP", r   # --moe-use-legacy-grouped-gemm, as with TE
+    assert "bias not supported in Grouped GEMM" in r["with_bias"], r   # Megatron's own, with TE too
+
+
+def test_te_built_expert_checkpoint_loads_into_grouped_mlp_and_back():
+    r = result()["te_checkpoint"]
+    assert r["source"] == "TEGroupedMLP" and r["target"] == "GroupedMLP", r
+    for way in ("forward", "back"):
+        assert r[way]["diff_before_load"] > 0.1 and r[way]["loaded_diff"] == 0.0, r
