@@ -120,7 +120,8 @@ def compare(cfg, spec):
     grads = {n: max_diff(p.grad, seq_params[n].grad) for n, p in mapped.items()}
     res = {"experts": type(grouped.experts).__name__, "reference": type(sequential.experts).__name__,
            "linears": [type(grouped.experts.linear_fc1).__name__, type(grouped.experts.linear_fc2).__name__],
-           "grouped_gemm_calls": calls, "recomputes_act": bool(grouped.experts.activation_recompute), "out_diff": max_diff(yg, ys), "input_grad_diff": max_diff(dg, ds),
+           "grouped_gemm_calls": calls, "recomputes_act": bool(grouped.experts.activation_recompute),
+           "out_diff": max_diff(yg, ys), "input_grad_diff": max_diff(dg, ds),
            "param_grad_diff": max(grads.values()), "params": len(grads),
            "bias_grads_zero": sorted(n for n, p in mapped.items()
                                      if ".linear_fc" in n and n.endswith("bias") and not bool(p.grad.abs().sum() > 0)),
@@ -287,7 +288,8 @@ def main():
     results["no_bias"] = {"experts": type(plain.experts).__name__, **legacy_matches_sequential(plain, plain_cfg)}
     # --moe-use-legacy-grouped-gemm: GroupedMLP, which refuses a bias (its own assertion, with TE too)
     legacy_cfg = config(add_bias_linear=False, moe_use_legacy_grouped_gemm=True)
-    results["legacy_flag"] = {"experts": type(moe_layer(legacy_cfg, te_spec(moe_use_legacy_grouped_gemm=True)).experts).__name__}
+    legacy = moe_layer(legacy_cfg, te_spec(moe_use_legacy_grouped_gemm=True))
+    results["legacy_flag"] = {"experts": type(legacy.experts).__name__}
     try:
         moe_layer(dataclasses.replace(legacy_cfg, add_bias_linear=True), te_spec(moe_use_legacy_grouped_gemm=True))
         results["legacy_flag"]["with_bias"] = "built"
