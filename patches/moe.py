@@ -1,12 +1,18 @@
 """Mixture-of-experts without Transformer Engine or the `grouped_gemm` package.
 
-- `--moe-grouped-gemm`: without TE, Megatron's spec providers (its local one, and
-  patches/layer_specs' provider behind the default TE spec) build the legacy `GroupedMLP`, which
-  needs the `grouped_gemm` package (`grouped_gemm_util.grouped_gemm` / `.ops`) and accepts only
-  bf16. This area binds those two module globals to a namespace whose `ops.gmm(a, b, batch_sizes,
-  trans_b)` (the package's API) runs the backend's `grouped_gemm` op, and replaces
-  `GroupedMLP.forward` with the same computation minus the bf16-only assertion (the backend op
-  takes every float dtype). With the package installed, the package stays (specs skipped).
+- `--moe-grouped-gemm` on core_v0.15-0.16: without TE, Megatron's spec providers (its local one,
+  and patches/layer_specs' provider behind the default TE spec, which inherits it) build the legacy
+  `GroupedMLP`, which takes no bias and needs the `grouped_gemm` package (bf16 only).
+  `LocalSpecProvider.grouped_mlp_modules` gives `AdaptGroupedExperts`, which builds, per config:
+  with `--add-bias-linear` (Megatron's default; GroupedMLP failed at model build) `TEGroupedMLP` on
+  the backend's grouped linears (below), what TE's provider builds with TE; without biases
+  Megatron's `GroupedMLP`, as before (its weights stay one stacked parameter per linear: no stacked
+  copy per forward). Dist checkpoints of either load into the other and into SequentialMLP's
+  (Megatron keeps their sharded keys the same). `--moe-use-legacy-grouped-gemm`: GroupedMLP.
+- `GroupedMLP` (0.15-0.16): `grouped_gemm_util.grouped_gemm` / `.ops` are bound to a namespace whose
+  `ops.gmm(a, b, batch_sizes, trans_b)` (the package's API) runs the backend's `grouped_gemm` op;
+  `GroupedMLP.forward` is replaced with the same computation minus the bf16-only assertion (the
+  backend op takes every float dtype). With the package installed, the package stays (specs skipped).
 - `--moe-permute-fusion`: `permute`, `unpermute` and `sort_chunks_by_idxs` with fused=True run the
   backend's `moe_permute` / `moe_unpermute` / `moe_sort_chunks`; the five TE names the
   TransformerConfig check imports from moe_utils (`fused_permute`, ...) are created with TE's
@@ -23,15 +29,14 @@
 - `validate_args`' compute-capability check for --moe-grouped-gemm reads (8, 0) while it runs
   on a device reporting less (the check guards the grouped_gemm package's CUTLASS kernels).
 
-core_v0.17+ removed the legacy GroupedMLP and grouped_gemm_util: its experts are TEGroupedMLP, which
-takes a grouped-linear builder pair (TE's TEColumnParallelGroupedLinear / TERowParallelGroupedLinear,
-None without TE). There `LocalSpecProvider.grouped_mlp_modules(True)` (also what patches/layer_specs'
-provider behind the default TE spec inherits) gives TEGroupedMLP on `AdaptColumnParallelGroupedLinear`
-/ `AdaptRowParallelGroupedLinear`: per-expert parameters named as TE's (`weight0`, ... `bias0`, ...),
-one call of the backend's `grouped_gemm` op per linear, checkpoints sharded per expert as TE's (and
-SequentialMLP's). `permute` returns 5 values and `unpermute` takes `pad_offsets` from 0.17;
-`te_general_gemm` is bound (None without TE) and Megatron's torch path serves the router, so that
-spec ends at 0.17.
+The grouped linears, `AdaptColumnParallelGroupedLinear` / `AdaptRowParallelGroupedLinear`, take TE's
+TEColumnParallelGroupedLinear / TERowParallelGroupedLinear constructor (0.15's TEGroupedMLP passes
+`tp_group=`, 0.16+ `pg_collection=`): per-expert parameters named as TE's (`weight0`, ... `bias0`,
+...), one call of the backend's `grouped_gemm` op per linear, checkpoints sharded per expert as TE's
+(and SequentialMLP's). core_v0.17+ removed the legacy GroupedMLP and grouped_gemm_util; its
+`LocalSpecProvider.grouped_mlp_modules(True)` gives TEGroupedMLP on them (GroupedMLPSubmodules).
+`permute` returns 5 values and `unpermute` takes `pad_offsets` from 0.17; `te_general_gemm` is bound
+(None without TE) and Megatron's torch path serves the router, so that spec ends at 0.17.
 The `transformer_engine` package is not faked: moe_utils.HAVE_TE stays False. See docs/moe.md.
 """
 import inspect
@@ -183,7 +188,7 @@ def _grouped_linear_classes(backend):
 
         def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
                      skip_bias_add, is_expert=True, tp_comm_buffer_name=None, pg_collection=None,
-                     name=None):
+                     name=None, tp_group=None):
             super().__init__()
             if not is_expert:
                 raise ValueError("grouped linears serve MoE experts only (is_expert=True), as TE's")
@@ -198,7 +203,9 @@ def _grouped_linear_classes(backend):
             if pg_collection is None:
                 pg_collection = ProcessGroupCollection.use_mpu_process_groups(
                     required_pgs=["ep", "expt_tp", "expt_dp"])
-            self._pg_collection, self._tp_group = pg_collection, pg_collection.expt_tp
+            # core_v0.15's TEGroupedMLP passes the expert-TP group alone (tp_group=), 0.16+ the collection
+            self._pg_collection = pg_collection
+            self._tp_group = tp_group if tp_group is not None else pg_collection.expt_tp
             tp = self._tp_group.size() if self._tp_group is not None else 1
             if self.parallel_mode == "column":
                 output_size = divide(output_size, tp)
@@ -265,7 +272,7 @@ def _grouped_linear_classes(backend):
                     offsets = (*sharded_offsets, (len(sharded_offsets), offset + i, num_global))
                 sub = make_sharded_tensors_for_checkpoint(
                     state, "", {f"{i}.{k}": ax for k, ax in tp_axes.items()}, offsets,
-                    tp_group=self._tp_group, dp_cp_group=metadata.get("dp_cp_group"))
+                    **_sharding_groups(self._tp_group, metadata))
                 replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
                 for k in state:
                     out[f"{prefix}{k.split('.')[1]}{i}"] = sub[k]
@@ -279,6 +286,16 @@ def _grouped_linear_classes(backend):
 
     class AdaptRowParallelGroupedLinear(AdaptGroupedLinear):
         parallel_mode = "row"
+
+    def _sharding_groups(tp_group, metadata):
+        """make_sharded_tensors_for_checkpoint takes the groups from core_v0.16; 0.15's reads
+        parallel_state's TP group, which its TEGroupedMLP.sharded_state_dict swaps for expert TP
+        (expert_dist_ckpt_decorator)."""
+        if not groups_accepted:
+            return {}
+        return {"tp_group": tp_group, "dp_cp_group": metadata.get("dp_cp_group")}
+
+    groups_accepted = "tp_group" in inspect.signature(make_sharded_tensors_for_checkpoint).parameters
 
     for cls in (AdaptColumnParallelGroupedLinear, AdaptRowParallelGroupedLinear):
         cls.__megatron_adapt_impl__ = f"{backend.name}.grouped_gemm ({cls.__name__})"
@@ -302,6 +319,53 @@ def build_grouped_mlp_modules(backend, original):
             linear_fc1=column, linear_fc2=row, activation_func=self.activation_func()))
 
     grouped_mlp_modules.__megatron_adapt_impl__ = f"{backend.name}.grouped_gemm (TEGroupedMLP on grouped linears)"
+    return grouped_mlp_modules
+
+
+def grouped_experts_class(backend):
+    """core_v0.15-0.16: the experts class `--moe-grouped-gemm` builds (see build_grouped_mlp_modules_legacy)."""
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import GroupedMLP, TEGroupedMLP
+
+    column, row = grouped_linear_classes(backend)
+
+    class AdaptGroupedExperts:
+        """With config.add_bias_linear: TEGroupedMLP on the backend's grouped linears (TE's module
+        tree, parameter names and checkpoint layout; biases served); without: Megatron's GroupedMLP
+        (one [E*in, out] weight per linear, its forward on the backend's grouped_gemm). The spec is
+        built before the config exists, so the choice is made here, at construction."""
+
+        def __new__(cls, num_local_experts, config, submodules=None, pg_collection=None):
+            if config.add_bias_linear:
+                act = getattr(submodules, "activation_func", None)
+                return TEGroupedMLP(num_local_experts, config,
+                                    MLPSubmodules(linear_fc1=column, linear_fc2=row, activation_func=act),
+                                    pg_collection=pg_collection)
+            return GroupedMLP(num_local_experts, config, pg_collection=pg_collection)
+
+    AdaptGroupedExperts.__megatron_adapt_impl__ = (
+        f"{backend.name}.grouped_gemm (bias: TEGroupedMLP on grouped linears; else GroupedMLP)")
+    return AdaptGroupedExperts
+
+
+def build_grouped_mlp_modules_legacy(backend, original):
+    """core_v0.15-0.16: LocalSpecProvider.grouped_mlp_modules(True, legacy=False) -> experts that are
+    TEGroupedMLP on the backend's grouped linears when the model has biases (Megatron's default
+    `--add-bias-linear`, which the legacy GroupedMLP refuses at build; TE's provider gives
+    TEGroupedMLP there), Megatron's GroupedMLP otherwise (as before: no change for configurations
+    that ran). `--moe-use-legacy-grouped-gemm` (legacy=True) and False: Megatron's own (GroupedMLP,
+    SequentialMLP). patches/layer_specs' provider inherits it."""
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    experts = grouped_experts_class(backend)
+    column, row = grouped_linear_classes(backend)
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool = False):
+        if not moe_use_grouped_gemm or moe_use_legacy_grouped_gemm:
+            return original(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
+        return experts, MLPSubmodules(linear_fc1=column, linear_fc2=row)
+
+    grouped_mlp_modules.__megatron_adapt_impl__ = experts.__megatron_adapt_impl__
     return grouped_mlp_modules
 
 
@@ -613,6 +677,8 @@ SPECS = [
     PatchSpec(f"{GG}:grouped_gemm", area="moe", versions=LEGACY, build=build_package),
     PatchSpec(f"{GG}:ops", area="moe", versions=LEGACY, build=build_ops),
     PatchSpec(f"{EXPERTS}:GroupedMLP.forward", area="moe", versions=LEGACY, build=build_grouped_mlp_forward),
+    PatchSpec("megatron.core.models.backends:LocalSpecProvider.grouped_mlp_modules", area="moe",
+              versions=LEGACY, build=build_grouped_mlp_modules_legacy),
     PatchSpec("megatron.core.models.backends:LocalSpecProvider.grouped_mlp_modules", area="moe",
               versions=CORE017, build=build_grouped_mlp_modules),
     _wrap("permute", build_permute, LEGACY),

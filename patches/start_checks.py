@@ -10,6 +10,8 @@ Megatron-LM's `set_global_variables` (right after argument validation) and from
   DotProductAttention, which takes no k_channels / v_channels (TypeError at model build). MLA is
   served through the transformer_engine spec. Refused also where a megatron-core user asks the
   local spec builder for MLA (`get_gpt_layer_local_spec(multi_latent_attention=True)`).
+* `--moe-latent-size`: Megatron's MoELayer builds its latent projections from TE's TELinear only
+  (`assert HAVE_TE` at model build, 0.16 - 0.19).
 
 Model families whose layer specs name TE's classes directly (T5, BERT, LLaVA / ViT, heterogeneous
 layers) are served, not refused: patches/layer_specs binds those names to the provider's modules.
@@ -64,13 +66,22 @@ def mla_local_refusal(backend, s: dict) -> str | None:
     return None
 
 
+def moe_latent_refusal(backend, s: dict) -> str | None:
+    if s.get("moe_latent_size"):
+        return (f"--moe-latent-size: {where(backend)} cannot run it: Megatron's MoELayer builds the "
+                f"latent projections from Transformer Engine's TELinear only (it asserts HAVE_TE at model "
+                f"build); not served. Train without --moe-latent-size.")
+    return None
+
+
 def _settings_of(config) -> dict:
-    names = ("delay_wgrad_compute", "multi_latent_attention", "transformer_impl")
+    names = ("delay_wgrad_compute", "multi_latent_attention", "transformer_impl", "moe_latent_size")
     return {n: getattr(config, n, None) for n in names}
 
 
 for _name, _check in (("delay_wgrad", wgrad_refusal),
-                      ("mla_local", mla_local_refusal)):
+                      ("mla_local", mla_local_refusal),
+                      ("moe_latent", moe_latent_refusal)):
     start_checks.register(
         AREA, _name, from_args=_check,
         from_config=lambda backend, config, _check=_check: _check(backend, _settings_of(config)))

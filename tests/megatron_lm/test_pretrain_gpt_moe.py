@@ -35,9 +35,11 @@ def _required_moe_patches():
 
     common = ("megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu",
               "megatron.training.arguments:validate_args")
-    if megatron_core_version() >= Version("0.17.0"):  # TEGroupedMLP on the backend's grouped linears
-        return common + ("megatron.core.models.backends:LocalSpecProvider.grouped_mlp_modules",)
-    return common + ("megatron.core.transformer.moe.grouped_gemm_util:grouped_gemm",
+    # 0.15-0.16: GroupedMLP without biases, TEGroupedMLP with; 0.17+: TEGroupedMLP
+    common += ("megatron.core.models.backends:LocalSpecProvider.grouped_mlp_modules",)
+    if megatron_core_version() >= Version("0.17.0"):
+        return common
+    return common + ("megatron.core.transformer.moe.grouped_gemm_util:grouped_gemm",  # --moe-use-legacy-grouped-gemm
                      "megatron.core.transformer.moe.grouped_gemm_util:ops",
                      "megatron.core.transformer.moe.experts:GroupedMLP.forward",
                      "megatron.core.transformer.moe.moe_utils:te_general_gemm")
@@ -46,11 +48,12 @@ def _required_moe_patches():
 REQUIRED_MOE_PATCHES = _required_moe_patches()
 
 
-def pretrain(args, tmp: Path, name: str, nproc: int = 2, iters: int = 10, env: dict | None = None):
+def pretrain(args, tmp: Path, name: str, nproc: int = 2, iters: int = 10, env: dict | None = None,
+             moe=MOE):
     report = tmp / f"{name}.report.json"
     cmd = ["megatron-adapt-run", "torchrun", "--nproc-per-node", str(nproc), "--master-port",
            str(base._free_port()), os.path.join(base.LM, "pretrain_gpt.py"), *base.TINY_GPT,
-           "--train-iters", str(iters), *MOE, *args]
+           "--train-iters", str(iters), *moe, *args]
     proc = subprocess.run(cmd, env={**base._env(), "MEGATRON_ADAPT_REPORT": str(report), **(env or {})}, cwd=tmp,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     log = tmp / f"{name}.log"
@@ -111,3 +114,17 @@ def test_ep2_capacity_padded_dispatch_with_the_graph_switch(tmp_path):
     assert "MEGATRON_ADAPT_CUDA_GRAPHS=auto: running eager: CUDA graphs need the cuda backend" in run.out
     assert "moe_pad_expert_input_to_capacity ................ True" in run.out
     assert "cuda_graph_impl ................................. none" in run.out
+
+
+def test_ep2_grouped_experts_with_bias(tmp_path):
+    """Megatron's default --add-bias-linear with --moe-grouped-gemm: TEGroupedMLP on the backend's
+    grouped linears on every release (0.15-0.16's legacy GroupedMLP, built without biases, refuses
+    them). Megatron's
+    TEGroupedMLP (with TE too) asserts --no-bias-dropout-fusion with a bias, and fuses bias and
+    activation only for SwiGLU / quick-GeLU (GeLU needs --no-bias-gelu-fusion): --swiglu here, fused."""
+    moe = [a for a in MOE if a != "--disable-bias-linear"]
+    run = pretrain(["--expert-model-parallel-size", "2", "--no-bias-dropout-fusion", "--swiglu"], tmp_path,
+                   "ep2_bias", moe=moe)
+    base.assert_loss_falls(run)
+    assert_moe_ran(run)
+    assert "add_bias_linear ................................. True" in run.out

@@ -541,7 +541,7 @@ def _expert_weights(experts):
 
 
 def _grouped_experts_fused_wgrad(experts, x, sizes, probs, g, w1_ref, w2_ref):
-    """0.17+ with gradient_accumulation_fusion and DDP's main_grad buffers: the weight gradients
+    """With gradient_accumulation_fusion and DDP's main_grad buffers: the weight gradients
     land in main_grad (added to what is there), each weight flagged grad_added_to_main_grad."""
     weights = [p for n, p in experts.named_parameters() if ".weight" in n]
     for w in weights:
@@ -565,7 +565,7 @@ def _grouped_experts_fused_wgrad(experts, x, sizes, probs, g, w1_ref, w2_ref):
 
 
 def _grouped_experts_with_bias(config, sizes):
-    """TEGroupedMLP with add_bias_linear (core_v0.17+) against a per-expert fp64 loop: fc1's bias
+    """TEGroupedMLP with add_bias_linear against a per-expert fp64 loop: fc1's bias
     is added per expert inside the grouped linear, fc2's returned and scaled by the probs."""
     import dataclasses
 
@@ -576,6 +576,8 @@ def _grouped_experts_with_bias(config, sizes):
                               moe_permute_fusion=False, moe_router_fusion=False)
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=5, moe_grouped_gemm=True)
     experts = GPTModel(cfg, spec, vocab_size=64, max_sequence_length=16).decoder.layers[0].mlp.experts
+    if type(experts).__name__ != "TEGroupedMLP":
+        return {"experts_class": type(experts).__name__}
     fc1, fc2 = experts.linear_fc1, experts.linear_fc2
     with torch.no_grad():
         for i in range(5):
@@ -656,8 +658,9 @@ def _():
     out["empty_expert_grad_zero"] = bool((expert_w1("grad")[[1, 4]] == 0).all()
                                          and (expert_w2("grad")[[1, 4]] == 0).all())
 
-    if not hasattr(experts, "weight1"):  # 0.17+: the grouped linears' biases (fc1 added, fc2 returned)
-        out["experts_with_bias"] = _grouped_experts_with_bias(config, sizes)
+    # with biases TEGroupedMLP on the grouped linears on every release (fc1's bias added, fc2's returned)
+    out["experts_with_bias"] = _grouped_experts_with_bias(config, sizes)
+    if not hasattr(experts, "weight1"):  # 0.17+ (0.15-0.16 without biases: GroupedMLP, one weight per linear)
         out["experts_fused_wgrad"] = _grouped_experts_fused_wgrad(experts, x, sizes, probs, g, w1, w2)
 
     # the whole layer: fused flags (backend ops) against Megatron's unfused code, same weights

@@ -54,6 +54,8 @@ def config():
                                     moe_token_dispatcher_type="alltoall", overlap_moe_expert_parallel_comm=True,
                                     bf16=True, params_dtype=torch.bfloat16),
         "plain": {},
+        "moe_latent": dict(num_moe_experts=4, moe_latent_size=16),
+        "moe_grouped_bias": dict(num_moe_experts=4, moe_grouped_gemm=True, add_bias_linear=True),
         "cp_a2a_heads": dict(context_parallel_size=2, cp_comm_type="a2a", num_query_groups=1),
         "cp_comm_unknown": dict(context_parallel_size=2, cp_comm_type=["p2p", "ring"]),
         "cp_a2a_served": dict(context_parallel_size=2, cp_comm_type="a2a", num_query_groups=2),
