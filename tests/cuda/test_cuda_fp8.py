@@ -220,3 +220,45 @@ def test_odd_shapes_fall_back_reported_and_strict_raises(torch_cast_on_cpu, monk
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer without a CUDA device")
 def test_fp8_unavailable_without_a_gpu():
     assert fp8.fp8_unavailable() == "no CUDA device is visible"
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_weight_cast_once_per_step_as_te_caches_it(torch_cast_on_cpu, recipe):
+    """With the linear's cache, the weight is cast at the step's first micro-batch (refresh) and the
+    other micro-batches reuse that cast: the same outputs and gradients as casting every time. A
+    new step (refresh) after the optimizer wrote the weight in place (as Megatron's does, through
+    .data: no version bump) casts the new values."""
+    torch.manual_seed(5)
+    w = (torch.randn(32, 64, device=DEV) * 0.05).requires_grad_()
+    xs = [torch.randn(16, 64, device=DEV).requires_grad_() for _ in range(3)]
+    dy = torch.randn(16, 32, device=DEV)
+    rec = Fp8Recipe("hybrid", recipe, amax_history_len=2)
+
+    def steps(cache):
+        state, outs = Fp8Scaling(rec, DEV), []
+        for i, x in enumerate(xs):
+            if cache is not None:
+                cache["refresh"] = i == 0
+            x.grad = w.grad = None
+            y = fp8.fp8_linear(x, w, None, state, None, cache)
+            y.backward(dy)
+            outs += [y.detach(), x.grad, w.grad]
+        return outs
+    cache = {}
+    cached, plain = steps(cache), steps(None)
+    assert cache["casts"] == 1
+    if recipe == "tensorwise":   # delayed: every cast records a weight amax, so the scales part ways
+        for a, b in zip(cached, plain):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with torch.no_grad():
+        w.data.copy_(w.data * 2)
+    cache["refresh"] = True
+    state = Fp8Scaling(Fp8Recipe("hybrid", "tensorwise"), DEV)
+    y_new = fp8.fp8_linear(xs[0], w, None, state, None, cache)
+    y_ref = fp8.fp8_linear(xs[0], w, None, state)
+    assert cache["casts"] == 2
+    torch.testing.assert_close(y_new, y_ref, rtol=0, atol=0)
+    cache["refresh"] = False   # without refresh, the cached (old) weight: TE's contract with Megatron
+    with torch.no_grad():
+        w.data.copy_(w.data * 2)
+    assert torch.equal(fp8.fp8_linear(xs[0], w, None, state, None, cache), y_new)
