@@ -61,11 +61,12 @@ class DelayedWgradMixin:
         weights = self._wgrad_weights()
         if self._wgrad_stash:
             report.ran("delayed_wgrad", f"{self._wgrad_impl} (backward_dw)")
-        while self._wgrad_stash:
-            entry = self._wgrad_stash.popleft()
-            fuse = entry[0]
-            for w, g in zip(weights, self._wgrad_of(entry)):
-                _accumulate(w, g, fuse)
+        with torch.no_grad():  # Megatron calls it outside autograd; the stash holds graph inputs
+            while self._wgrad_stash:
+                entry = self._wgrad_stash.popleft()
+                fuse = entry[0]
+                for w, g in zip(weights, self._wgrad_of(entry)):
+                    _accumulate(w, g, fuse)
         self._trigger_wgrad_accumulation_and_reduce_hooks()
 
     def _trigger_wgrad_accumulation_and_reduce_hooks(self):
@@ -128,7 +129,7 @@ class DelayedWgradLinear(torch.autograd.Function):
         if ctx.sequence_parallel:
             grad_input = _reduce_scatter(grad_input, ctx.tp_group)
         grad_output_2d, total_input_2d = prepare_input_tensors_for_wgrad_compute(grad_output, total_input)
-        ctx.module._wgrad_stash.append((ctx.fuse, total_input_2d, grad_output_2d))
+        ctx.module._wgrad_stash.append((ctx.fuse, total_input_2d.detach(), grad_output_2d.detach()))
         grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
         return grad_input, None, grad_bias, None, None, None, None, None
 

@@ -1,0 +1,82 @@
+"""Stock pretrain_gpt.py, MoE with expert parallelism 2 and Megatron's EP-overlap 1F1B schedule
+(`--overlap-moe-expert-parallel-comm`, bf16, alltoall), with and without `--delay-wgrad-compute`,
+on the cpu backend under `megatron-adapt-run torchrun --nproc-per-node 2`.
+
+The delayed run must train exactly as the undelayed one (same loss and grad norm every iteration:
+the deferred GEMMs are the same ops on the same operands), with the weight-gradient GEMMs of the
+attention linears and the grouped expert linears run from Megatron's backward_dw calls (the report
+counts them; the undelayed run has none). A control run drops those GEMMs (a sitecustomize chained
+after megatron-adapt's replaces backward_dw with one that only fires DDP's hooks): its grad norm and
+later losses must differ, so the comparison can fail.
+
+core_v0.17+ only (TEGroupedMLP on megatron-adapt's grouped linears). ~1.5 minutes on 2 cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import textwrap
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_pretrain_gpt as base  # noqa: E402
+import test_pretrain_gpt_moe as moe  # noqa: E402
+
+NEEDS_CHECKOUT = True  # conftest.py: skipped when the checkout's version is not the installed one
+pytestmark = [*base.pytestmark, pytest.mark.skipif(
+    not moe.REQUIRED_MOE_PATCHES[-1].endswith("grouped_mlp_modules"),
+    reason="core_v0.17+: the grouped expert linears (older releases use the legacy GroupedMLP)")]
+
+OVERLAP = ["--bf16", "--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm"]
+GRAD_NORM_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.]+)")
+
+DROP_WGRAD = textwrap.dedent('''
+    """Control: backward_dw fires DDP's hooks but computes no weight gradient."""
+    from megatron_adapt.patches import delayed_wgrad
+
+    def backward_dw(self):
+        self._wgrad_stash.clear()
+        self._trigger_wgrad_accumulation_and_reduce_hooks()
+
+    delayed_wgrad.DelayedWgradMixin.backward_dw = backward_dw
+    ''')
+
+
+def deferred_gemms(tmp, name) -> dict:
+    ops = json.loads((tmp / f"{name}.report.json").read_text())["ops"]
+    return {re.search(r"\(deferred (.*?)\)", o["implementation"]).group(1): o["calls"]
+            for o in ops if o["op"] == "delayed_wgrad"}
+
+
+def grad_norms(run):
+    return {int(i): float(g) for i, g in GRAD_NORM_RE.findall(run.out)}
+
+
+def test_delay_wgrad_compute_trains_as_without_it(tmp_path):
+    iters = 4
+    plain = moe.pretrain(OVERLAP, tmp_path, "overlap", iters=iters)
+    delayed = moe.pretrain([*OVERLAP, "--delay-wgrad-compute"], tmp_path, "overlap_delayed", iters=iters)
+    control_dir = tmp_path / "control"
+    control_dir.mkdir()
+    (control_dir / "sitecustomize.py").write_text(DROP_WGRAD)
+    pythonpath = os.pathsep.join(p for p in (str(control_dir), os.environ.get("PYTHONPATH")) if p)
+    control = moe.pretrain([*OVERLAP, "--delay-wgrad-compute"], tmp_path, "overlap_delayed_control",
+                           iters=iters, env={"PYTHONPATH": pythonpath})
+
+    assert sorted(plain.losses) == sorted(delayed.losses) == list(range(1, iters + 1))
+    for i in plain.losses:
+        assert delayed.losses[i] == pytest.approx(plain.losses[i], rel=1e-5), (plain.losses, delayed.losses)
+    assert grad_norms(delayed) == pytest.approx(grad_norms(plain), abs=2e-3), (grad_norms(plain), grad_norms(delayed))
+    assert len(grad_norms(plain)) == iters
+
+    # the deferred GEMMs of both kinds ran from backward_dw (rank 0's report), none without the flag
+    deferred = deferred_gemms(tmp_path, "overlap_delayed")
+    assert set(deferred) == {"linear", "grouped linear"} and all(n > 0 for n in deferred.values()), deferred
+    assert not deferred_gemms(tmp_path, "overlap")
+
+    # the control really lost the weight gradients: the comparison above can fail
+    assert abs(grad_norms(control)[1] - grad_norms(plain)[1]) > 1e-2, (grad_norms(plain), grad_norms(control))
+    assert abs(control.losses[iters] - plain.losses[iters]) > 1e-4, (plain.losses, control.losses)
