@@ -7,7 +7,8 @@ the MoE all-to-all). TE's modules built with `delay_wgrad_compute=True` keep wha
 GEMM needs in their backward and run it in `backward_dw()`. The linears here do the same:
 
 * `backward` computes the input gradient (and the bias gradient, which needs no GEMM) and stashes
-  (input, output gradient) -- for the grouped expert GEMM, the op's retained autograd graph;
+  (input, output gradient); the grouped expert GEMM's weight gradient is the backend's
+  `grouped_gemm_wgrad` op;
 * `backward_dw()` pops every stashed entry, runs the weight-gradient GEMM and accumulates it as the
   eager backward would: with gradient-accumulation fusion into `weight.main_grad` (Megatron's
   `fused_weight_gradient_mlp_cuda` entry point, i.e. the backend's `wgrad_accumulate` op, as Megatron's
@@ -223,42 +224,38 @@ def delayed_wgrad_variant(base, outer=None):
 
 # ------------------------------------------------------------------ the grouped expert GEMM
 class DelayedWgradGroupedGemm(torch.autograd.Function):
-    """`grouped_gemm(x, stack(weights), m_splits, trans_b=True)` whose backward gives the input
-    gradient only: the op's graph (run on detached leaves) is kept, and `module.backward_dw()` asks
-    it for the stacked weight gradient later. Autograd computes only the gradients asked for, so
-    the backend's dgrad kernels run in the backward and its wgrad kernels in backward_dw."""
+    """`grouped_gemm(x, stack(weights), m_splits, trans_b=True)` (y_e = x_e @ W_e^T) whose backward
+    runs the input-gradient grouped GEMM only (dx_e = dy_e @ W_e: the backend's grouped_gemm) and
+    stashes (x, dy); `module.backward_dw()` runs the backend's grouped_gemm_wgrad
+    (dW_e = dy_e^T @ x_e, [E, out, in]) -- each GEMM once, where Megatron's schedule wants it."""
 
     @staticmethod
-    def forward(ctx, x, m_splits, grouped_gemm, module, fuse, *weights):
-        with torch.enable_grad():
-            xd = x.detach().requires_grad_(x.requires_grad)
-            stacked = torch.stack([w.detach() for w in weights]).requires_grad_()
-            out = grouped_gemm(xd, stacked, m_splits, True)
-        ctx.graph = (xd, stacked, out)
-        ctx.module, ctx.fuse = module, fuse
-        return out.detach()
+    def forward(ctx, x, m_splits, ops, module, fuse, *weights):
+        grouped_gemm = ops[0]
+        stacked = torch.stack([w.detach() for w in weights])
+        ctx.save_for_backward(x, stacked)
+        ctx.m_splits, ctx.ops, ctx.module, ctx.fuse = m_splits, ops, module, fuse
+        return grouped_gemm(x.detach(), stacked, m_splits, True)
 
     @staticmethod
     def backward(ctx, grad_out):
-        xd, stacked, out = ctx.graph
-        ctx.graph = None
-        dx = None
-        if xd.requires_grad:
-            (dx,) = torch.autograd.grad(out, xd, grad_out, retain_graph=True)
-        ctx.module._wgrad_stash.append((ctx.fuse, out, stacked, grad_out))
+        x, stacked = ctx.saved_tensors
+        grouped_gemm, grouped_wgrad = ctx.ops
+        grad_out = grad_out.contiguous()
+        dx = grouped_gemm(grad_out, stacked, ctx.m_splits, False) if ctx.needs_input_grad[0] else None
+        ctx.module._wgrad_stash.append((ctx.fuse, grouped_wgrad, grad_out.detach(), x.detach(), ctx.m_splits))
         return (dx, None, None, None, None, *([None] * stacked.shape[0]))
 
 
 def _grouped_wgrad_of(entry):
-    fuse, out, stacked, grad_out = entry
-    (dw,) = torch.autograd.grad(out, stacked, grad_out)
-    return list(dw.unbind(0)) if fuse else list(dw.contiguous().unbind(0))
+    _, grouped_wgrad, grad_out, x, m_splits = entry
+    return list(grouped_wgrad(grad_out, x, m_splits).unbind(0))
 
 
 class DelayedWgradGroupedMixin(DelayedWgradMixin):
     """For the grouped expert linears (weights `weight0..weight{n-1}`)."""
 
-    _wgrad_impl = "backend grouped_gemm autograd (deferred grouped linear)"
+    _wgrad_impl = "backend grouped_gemm_wgrad (deferred grouped linear)"
 
     def _wgrad_weights(self):
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]

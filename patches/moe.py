@@ -171,7 +171,7 @@ def _grouped_linear_classes(backend):
 
     from megatron_adapt.patches.delayed_wgrad import DelayedWgradGroupedGemm, DelayedWgradGroupedMixin, delayed
 
-    grouped_gemm = backend.op("grouped_gemm")
+    grouped_gemm, grouped_wgrad = backend.op("grouped_gemm"), backend.op("grouped_gemm_wgrad")
 
     class AdaptGroupedLinear(DelayedWgradGroupedMixin, torch.nn.Module):
         """`num_gemms` linears (one per local expert), weights `weight{i}` [out, in] as TE's
@@ -236,7 +236,8 @@ def _grouped_linear_classes(backend):
             weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
             fuse = self.config.gradient_accumulation_fusion and all(hasattr(w, "main_grad") for w in weights)
             if self.delay_wgrad_compute and any(w.requires_grad for w in weights):
-                out = DelayedWgradGroupedGemm.apply(x, m_splits, grouped_gemm, self, fuse, *weights)
+                out = DelayedWgradGroupedGemm.apply(x, m_splits, (grouped_gemm, grouped_wgrad), self, fuse,
+                                                    *weights)
             else:
                 out = grouped_gemm(x, _StackExpertWeights.apply(fuse, *weights), m_splits, True)
             if not self.use_bias:
