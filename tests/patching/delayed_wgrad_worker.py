@@ -18,7 +18,9 @@ warnings.filterwarnings("ignore")
 os.environ["MEGATRON_ADAPT_AUTO"] = "0"
 from single_rank import one_rank_env  # noqa: E402
 
-one_rank_env()
+TP = int(os.environ.get("DELAYED_WGRAD_TP", "1"))  # 2: under torchrun, TP=2 with sequence parallelism
+if TP == 1:
+    one_rank_env()
 import torch  # noqa: E402
 
 import megatron_adapt  # noqa: E402
@@ -35,14 +37,15 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron_adapt.patches import layer_specs, moe  # noqa: E402
 
 torch.distributed.init_process_group("gloo")
-parallel_state.initialize_model_parallel()
+parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
 model_parallel_cuda_manual_seed(0)
 DEVICE = "cuda" if BACKEND == "cuda" else "cpu"
-H, OUT, TOKENS, EXPERTS = 16, 24, 10, 3
+H, OUT, TOKENS, EXPERTS = 16, 24, 12, 3
 
 
 def config(delay: bool, fuse: bool, dtype=torch.float32):
     c = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, use_cpu_initialization=True,
+                          tensor_model_parallel_size=TP, sequence_parallel=TP > 1,
                           normalization="RMSNorm", add_bias_linear=True, params_dtype=dtype,
                           gradient_accumulation_fusion=fuse)
     c.delay_wgrad_compute = delay  # set after __post_init__: its EP-overlap requirements are the schedule's
@@ -92,11 +95,13 @@ def run(build, delay, fuse, call_dw=True, dtype=torch.float32):
     grouped = hasattr(m, "num_gemms")
     for mb in range(2):
         main_sums = [w.main_grad.abs().sum().item() if fuse else 0 for w in weights]
-        x = torch.randn(TOKENS, H, generator=g).to(DEVICE, dtype).requires_grad_()
+        # a row linear's input is split over TP (Megatron's and the grouped one's)
+        width = getattr(m, "input_size_per_partition", None) or getattr(m, "in_features", None) or H
+        x = torch.randn(TOKENS, width, generator=g).to(DEVICE, dtype).requires_grad_()
         if grouped:
             y, _ = m(x, [4, 0, TOKENS - 4] if mb else [3, 5, TOKENS - 8])
         else:
-            y, _ = m(x.view(TOKENS // 2, 2, H))
+            y, _ = m(x.view(TOKENS // 2, 2, width))
         before = [None if w.grad is None else w.grad.clone() for w in weights]
         (y.float() * torch.randn(y.shape, generator=g).to(DEVICE)).sum().backward()
         dgrads.append(x.grad.float())
@@ -139,4 +144,6 @@ for name, build in builders().items():
             hooks_fired=dl["fired"], skip=dl["skip"], eager_skip=eager["skip"],
             type=type(build(config(True, fuse))).__name__, eager_type=type(build(config(False, fuse))).__name__)
 res["report"] = {f"{op}|{impl}": n for (op, impl), n in report._op_counts.items() if op == "delayed_wgrad"}
-print("PROBE-JSON:" + json.dumps(res))
+if torch.distributed.get_rank() == 0:
+    print("PROBE-JSON:" + json.dumps(res))
+torch.distributed.barrier()

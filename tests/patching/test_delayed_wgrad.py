@@ -18,16 +18,28 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delayed_wgrad
 LINEARS = ["column", "row", "norm_column", "duplicated", "grouped_fc1", "grouped_fc2"]
 
 
+def _free_port() -> str:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 @lru_cache(maxsize=None)
-def result(backend: str = "cpu") -> dict:
-    out = run_python([WORKER, backend], timeout=600).stdout
+def result(tp: int = 1) -> dict:
+    """tp=2: two ranks under torch.distributed.run, tensor parallelism 2 with sequence parallelism
+    (the linears' all-gather / reduce-scatter around the deferred GEMM); rank 0's answers."""
+    args = [WORKER, "cpu"] if tp == 1 else ["-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                            "--master-port", _free_port(), WORKER, "cpu"]
+    out = run_python(args, env={"DELAYED_WGRAD_TP": str(tp)}, timeout=600).stdout
     return json.loads(next(l for l in out.splitlines() if l.startswith("PROBE-JSON:"))[len("PROBE-JSON:"):])
 
 
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2_sp"])
 @pytest.mark.parametrize("mode", ["grad", "fused"])
 @pytest.mark.parametrize("linear", LINEARS)
-def test_backward_dw_gives_the_eager_weight_gradients(linear, mode):
-    res = result()
+def test_backward_dw_gives_the_eager_weight_gradients(linear, mode, tp):
+    res = result(tp)
     key = f"{linear}/{mode}"
     if key not in res:
         pytest.skip(f"{linear}: this megatron-core has no TE-style grouped linears (core_v0.17+)")
