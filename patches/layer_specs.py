@@ -140,7 +140,37 @@ def _provider_class(backend):
         def core_attention(self):
             return core_attention_class()
 
+        def grouped_mlp_modules(self, *args, **kwargs):
+            """Megatron's (patches/moe's on core_v0.17+ for grouped GEMM); SequentialMLP's experts on
+            Megatron's local linears get their delayed-wgrad variants, as TE's spec gives them TE
+            linears (built without config.delay_wgrad_compute they are Megatron's classes)."""
+            return _sequential_experts_delayed(super().grouped_mlp_modules(*args, **kwargs))
+
     return AdaptSpecProvider
+
+
+def _sequential_experts_delayed(spec):
+    """(SequentialMLP, MLPSubmodules) on 0.16, partial(SequentialMLP, submodules=...) from 0.17:
+    the local column / row linears replaced by their delayed-wgrad variants; anything else as is."""
+    import dataclasses
+    from functools import partial
+
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_adapt.patches.delayed_wgrad import delayed_wgrad_variant
+
+    def delayed(sub):
+        if sub is None or (sub.linear_fc1, sub.linear_fc2) != (ColumnParallelLinear, RowParallelLinear):
+            return sub
+        return dataclasses.replace(sub, linear_fc1=delayed_wgrad_variant(ColumnParallelLinear),
+                                   linear_fc2=delayed_wgrad_variant(RowParallelLinear))
+
+    if isinstance(spec, tuple) and len(spec) == 2 and spec[0] is SequentialMLP:
+        return SequentialMLP, delayed(spec[1])
+    if isinstance(spec, partial) and spec.func is SequentialMLP and "submodules" in spec.keywords:
+        return partial(SequentialMLP, *spec.args, **{**spec.keywords, "submodules": delayed(spec.keywords["submodules"])})
+    return spec
 
 
 _classes: dict[str, type] = {}   # backend-independent modules, built once Megatron is importable

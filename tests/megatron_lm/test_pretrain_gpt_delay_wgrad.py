@@ -10,7 +10,7 @@ after megatron-adapt's replaces backward_dw with one that only fires DDP's hooks
 later losses must differ, so the comparison can fail.
 
 On core_v0.17+ the grouped expert linears defer too; on 0.16 the legacy GroupedMLP does not (as in
-Megatron). ~1.5 minutes on 2 cores.
+Megatron). Also SequentialMLP experts with a shared expert. ~2.5 minutes on 2 cores.
 """
 from __future__ import annotations
 
@@ -57,29 +57,46 @@ def grad_norms(run):
     return {int(i): float(g) for i, g in GRAD_NORM_RE.findall(run.out)}
 
 
-def test_delay_wgrad_compute_trains_as_without_it(tmp_path):
-    iters = 4
-    plain = moe.pretrain(OVERLAP, tmp_path, "overlap", iters=iters)
-    delayed = moe.pretrain([*OVERLAP, "--delay-wgrad-compute"], tmp_path, "overlap_delayed", iters=iters)
+SEQUENTIAL = ["--num-experts", "4", "--moe-token-dispatcher-type", "alltoall", "--moe-shared-expert-intermediate-size",
+              "64", "--swiglu", "--disable-bias-linear"]
+ITERS = 4
+
+
+def pretrain(args, tmp, name, env=None):
+    report = tmp / f"{name}.report.json"
+    return base.launch("pretrain_gpt.py", [*base.TINY_GPT, "--train-iters", str(ITERS), *OVERLAP, *args], tmp, name,
+                       env={"MEGATRON_ADAPT_REPORT": str(report), **(env or {})}).check()
+
+
+@pytest.mark.parametrize("experts", ["grouped", "sequential_shared"])
+def test_delay_wgrad_compute_trains_as_without_it(tmp_path, experts):
+    """grouped: --moe-grouped-gemm (TEGroupedMLP on the grouped linears from 0.17); sequential_shared:
+    SequentialMLP experts and a shared expert, all on the deferred local linears."""
+    args = moe.MOE if experts == "grouped" else SEQUENTIAL
+    plain = pretrain(args, tmp_path, "overlap")
+    delayed = pretrain([*args, "--delay-wgrad-compute"], tmp_path, "overlap_delayed")
     control_dir = tmp_path / "control"
     control_dir.mkdir()
     (control_dir / "sitecustomize.py").write_text(DROP_WGRAD)
     pythonpath = os.pathsep.join(p for p in (str(control_dir), os.environ.get("PYTHONPATH")) if p)
-    control = moe.pretrain([*OVERLAP, "--delay-wgrad-compute"], tmp_path, "overlap_delayed_control",
-                           iters=iters, env={"PYTHONPATH": pythonpath})
+    control = pretrain([*args, "--delay-wgrad-compute"], tmp_path, "overlap_delayed_control",
+                       env={"PYTHONPATH": pythonpath})
 
-    assert sorted(plain.losses) == sorted(delayed.losses) == list(range(1, iters + 1))
+    assert sorted(plain.losses) == sorted(delayed.losses) == list(range(1, ITERS + 1))
     for i in plain.losses:
         assert delayed.losses[i] == pytest.approx(plain.losses[i], rel=1e-5), (plain.losses, delayed.losses)
+    assert len(grad_norms(plain)) == ITERS
     assert grad_norms(delayed) == pytest.approx(grad_norms(plain), abs=2e-3), (grad_norms(plain), grad_norms(delayed))
-    assert len(grad_norms(plain)) == iters
 
-    # the deferred GEMMs of both kinds ran from backward_dw (rank 0's report), none without the flag
+    # the deferred GEMMs ran from backward_dw (rank 0's report), none without the flag
     deferred = deferred_gemms(tmp_path, "overlap_delayed")
-    kinds = {"linear", "grouped linear"} if GROUPED_LINEARS else {"linear"}
-    assert set(deferred) == kinds and all(n > 0 for n in deferred.values()), deferred
+    if experts == "grouped":
+        kinds = {"linear", "grouped linear"} if GROUPED_LINEARS else {"linear"}
+        assert set(deferred) == kinds and all(n > 0 for n in deferred.values()), deferred
+    else:  # per layer: qkv, proj, shared fc1 / fc2, 2 local experts x fc1 / fc2; 2 layers, 2 micro-batches
+        assert deferred == {"linear": 8 * 2 * 2 * ITERS}, deferred
     assert not deferred_gemms(tmp_path, "overlap")
 
     # the control really lost the weight gradients: the comparison above can fail
     assert abs(grad_norms(control)[1] - grad_norms(plain)[1]) > 1e-2, (grad_norms(plain), grad_norms(control))
-    assert abs(control.losses[iters] - plain.losses[iters]) > 1e-4, (plain.losses, control.losses)
+    assert abs(control.losses[ITERS] - plain.losses[ITERS]) > 1e-4, (plain.losses, control.losses)
