@@ -84,8 +84,10 @@ def _accumulate(weight, grad, fuse):
                 zero = getattr(weight, "zero_out_wgrad", False)
                 weight.grad = (torch.zeros_like if zero else torch.empty_like)(weight)
         return
-    grad = grad() if callable(grad) else grad
-    grad = grad.to(weight.dtype)
+    if isinstance(grad, tuple):  # stashed for the fused entry point, but no main_grad now
+        total_input, grad_output = grad
+        grad = grad_output.t().matmul(total_input)
+    grad = (grad() if callable(grad) else grad).to(weight.dtype)
     if weight.grad is None:
         weight.grad = grad
     else:
