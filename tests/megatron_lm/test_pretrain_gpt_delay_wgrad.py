@@ -10,7 +10,8 @@ after megatron-adapt's replaces backward_dw with one that only fires DDP's hooks
 later losses must differ, so the comparison can fail.
 
 On core_v0.17+ the grouped expert linears defer too; on 0.16 the legacy GroupedMLP does not (as in
-Megatron). Also SequentialMLP experts with a shared expert. ~2.5 minutes on 2 cores.
+Megatron). Also SequentialMLP experts with a shared expert, and MLA with a dense first layer. ~3.5 minutes
+on 2 cores.
 """
 from __future__ import annotations
 
@@ -59,6 +60,12 @@ def grad_norms(run):
 
 SEQUENTIAL = ["--num-experts", "4", "--moe-token-dispatcher-type", "alltoall", "--moe-shared-expert-intermediate-size",
               "64", "--swiglu", "--disable-bias-linear"]
+MLA_DENSE_FIRST = ["--num-experts", "4", "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm",
+                   "--disable-bias-linear", "--moe-layer-freq", "[0,1]", "--multi-latent-attention",
+                   "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
+                   "--v-head-dim", "12", "--qk-layernorm", "--position-embedding-type", "rope",
+                   "--rotary-scaling-factor", "40", "--mscale", "1.0", "--mscale-all-dim", "1.0",
+                   "--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-weights"]
 ITERS = 4
 
 
@@ -68,11 +75,12 @@ def pretrain(args, tmp, name, env=None):
                        env={"MEGATRON_ADAPT_REPORT": str(report), **(env or {})}).check()
 
 
-@pytest.mark.parametrize("experts", ["grouped", "sequential_shared"])
+@pytest.mark.parametrize("experts", ["grouped", "sequential_shared", "mla_dense_first"])
 def test_delay_wgrad_compute_trains_as_without_it(tmp_path, experts):
     """grouped: --moe-grouped-gemm (TEGroupedMLP on the grouped linears from 0.17); sequential_shared:
-    SequentialMLP experts and a shared expert, all on the deferred local linears."""
-    args = moe.MOE if experts == "grouped" else SEQUENTIAL
+    SequentialMLP experts and a shared expert, all on the deferred local linears; mla_dense_first:
+    multi-latent attention (its duplicated down projections too), a dense first layer, then MoE."""
+    args = {"grouped": moe.MOE, "sequential_shared": SEQUENTIAL, "mla_dense_first": MLA_DENSE_FIRST}[experts]
     plain = pretrain(args, tmp_path, "overlap")
     delayed = pretrain([*args, "--delay-wgrad-compute"], tmp_path, "overlap_delayed")
     control_dir = tmp_path / "control"
@@ -93,8 +101,13 @@ def test_delay_wgrad_compute_trains_as_without_it(tmp_path, experts):
     if experts == "grouped":
         kinds = {"linear", "grouped linear"} if GROUPED_LINEARS else {"linear"}
         assert set(deferred) == kinds and all(n > 0 for n in deferred.values()), deferred
-    else:  # per layer: qkv, proj, shared fc1 / fc2, 2 local experts x fc1 / fc2; 2 layers, 2 micro-batches
-        assert deferred == {"linear": 8 * 2 * 2 * ITERS}, deferred
+    elif experts == "sequential_shared":  # per layer: qkv, proj, shared fc1 / fc2, 2 local experts x
+        assert deferred == {"linear": 8 * 2 * 2 * ITERS}, deferred  # fc1 / fc2; 2 layers, 2 micro-batches
+    else:  # MLA's 5 linears per layer, the dense MLP's 2; the MoE layer's grouped fc1 / fc2
+        expected = {"linear": (5 + 5 + 2) * 2 * ITERS}
+        if GROUPED_LINEARS:
+            expected["grouped linear"] = 2 * 2 * ITERS
+        assert deferred == expected, deferred
     assert not deferred_gemms(tmp_path, "overlap")
 
     # the control really lost the weight gradients: the comparison above can fail
