@@ -116,6 +116,8 @@ CASES = [
     # refused by megatron-adapt at start (Megatron itself would fail later, at model build or in the first forward)
     (DELAY_WGRAD + ["--fp8-format", "hybrid"],
      REFUSED + "--delay-wgrad-compute with --fp8-format: the cpu backend cannot run it"),
+    (DELAY_WGRAD + ["--cuda-graph-impl", "local", "--moe-pad-experts-for-cuda-graph-inference"],
+     REFUSED + "--delay-wgrad-compute with --cuda-graph-impl local: the cpu backend cannot run it"),
     (["--multi-latent-attention", "--transformer-impl", "local"],
      REFUSED + "--multi-latent-attention --transformer-impl local: the cpu backend cannot run it"),
     (["--fp8-format", "hybrid", "--bf16"], REFUSED + "--fp8-format hybrid: the cpu backend cannot run it"),
@@ -177,6 +179,8 @@ def test_disabling_an_area_drops_only_its_checks():
     ({"cpu_offloading": True, "cuda_graph_impl": "none"}, None),
     ({"delay_wgrad_compute": True}, None),                                # served (patches/delayed_wgrad)
     ({"delay_wgrad_compute": True, "fp8": "hybrid"}, "--delay-wgrad-compute with --fp8-format"),
+    ({"delay_wgrad_compute": True, "cuda_graph_impl": "local"}, "--delay-wgrad-compute with --cuda-graph-impl local"),
+    ({"delay_wgrad_compute": True, "cuda_graph_impl": "none"}, None),
     ({"multi_latent_attention": True, "transformer_impl": "local"}, "--multi-latent-attention --transformer-impl local"),
     ({"multi_latent_attention": True, "transformer_impl": "transformer_engine"}, None),
     ({"cpu_offloading": False, "delay_wgrad_compute": False}, None),
