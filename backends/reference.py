@@ -377,6 +377,15 @@ def grouped_gemm(x, w, tokens_per_expert, trans_b: bool = False):
     return torch.cat(outs, dim=0)
 
 
+def grouped_gemm_wgrad(a, b, tokens_per_expert):
+    """dw[e] = a[rows of e]^T @ b[rows of e]: one matmul per expert (zeros where e has no rows)."""
+    sizes = _split_sizes(tokens_per_expert)
+    if sum(sizes) != a.shape[0] or a.shape[0] != b.shape[0]:
+        raise ValueError(f"grouped_gemm_wgrad: tokens_per_expert {sizes} does not split a "
+                         f"{tuple(a.shape)} / b {tuple(b.shape)}")
+    return torch.stack([ae.t() @ be for ae, be in zip(torch.split(a, sizes), torch.split(b, sizes))])
+
+
 def _selected_positions(routing_map, num_out_tokens):
     """Flat positions e * T + t of the True entries of routing_map^T, expert-major, ascending.
 

@@ -95,6 +95,11 @@ OPS: dict[str, Op] = {
         "(x [T, k], w [E, k, n] ([E, n, k] with trans_b), tokens_per_expert [E] int (any "
         "device), trans_b: bool) -> y [T, n]; the rows of expert e (consecutive, experts in "
         "order) times w[e]. Experts with no rows get zero weight grads"),
+    "grouped_gemm_wgrad": Op(
+        ".moe:grouped_gemm_wgrad",
+        "(a [T, m], b [T, n], tokens_per_expert [E] int (any device)) -> dw [E, m, n]; dw[e] = "
+        "a_e^T @ b_e over the rows of expert e (zeros for an expert with no rows): the grouped "
+        "GEMM's weight gradient on its own, for --delay-wgrad-compute's backward_dw"),
     "moe_permute": Op(
         ".moe:moe_permute",
         "(tokens [T, h], routing_map bool [T, E], probs [T, E] | None, num_out_tokens | None) "

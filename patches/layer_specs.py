@@ -104,12 +104,17 @@ def _provider_class(backend):
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+    from megatron_adapt.patches.delayed_wgrad import delayed_wgrad_variant
     from megatron_adapt.patches.fp8 import fp8_variant
 
     # Built with config.fp8 set, each linear runs fp8 GEMMs inside Megatron's fp8 context
-    # (patches/fp8); otherwise it is Megatron's own class.
-    norm_linear = fp8_variant(build_norm_linear_class(backend), backend)
-    column, row = fp8_variant(ColumnParallelLinear, backend), fp8_variant(RowParallelLinear, backend)
+    # (patches/fp8); with config.delay_wgrad_compute, it leaves its weight-gradient GEMM to
+    # backward_dw() (patches/delayed_wgrad); otherwise it is Megatron's own class.
+    def variant(base):
+        return delayed_wgrad_variant(base, outer=fp8_variant(base, backend))
+
+    norm_linear = variant(build_norm_linear_class(backend))
+    column, row = variant(ColumnParallelLinear), variant(RowParallelLinear)
 
     class AdaptSpecProvider(LocalSpecProvider):
         """The TE spec's modules on Megatron's local layers and the backend's ops."""
@@ -135,7 +140,37 @@ def _provider_class(backend):
         def core_attention(self):
             return core_attention_class()
 
+        def grouped_mlp_modules(self, *args, **kwargs):
+            """Megatron's (patches/moe's on core_v0.17+ for grouped GEMM); SequentialMLP's experts on
+            Megatron's local linears get their delayed-wgrad variants, as TE's spec gives them TE
+            linears (built without config.delay_wgrad_compute they are Megatron's classes)."""
+            return _sequential_experts_delayed(super().grouped_mlp_modules(*args, **kwargs))
+
     return AdaptSpecProvider
+
+
+def _sequential_experts_delayed(spec):
+    """(SequentialMLP, MLPSubmodules) on 0.16, partial(SequentialMLP, submodules=...) from 0.17:
+    the local column / row linears replaced by their delayed-wgrad variants; anything else as is."""
+    import dataclasses
+    from functools import partial
+
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_adapt.patches.delayed_wgrad import delayed_wgrad_variant
+
+    def delayed(sub):
+        if sub is None or (sub.linear_fc1, sub.linear_fc2) != (ColumnParallelLinear, RowParallelLinear):
+            return sub
+        return dataclasses.replace(sub, linear_fc1=delayed_wgrad_variant(ColumnParallelLinear),
+                                   linear_fc2=delayed_wgrad_variant(RowParallelLinear))
+
+    if isinstance(spec, tuple) and len(spec) == 2 and spec[0] is SequentialMLP:
+        return SequentialMLP, delayed(spec[1])
+    if isinstance(spec, partial) and spec.func is SequentialMLP and "submodules" in spec.keywords:
+        return partial(SequentialMLP, *spec.args, **{**spec.keywords, "submodules": delayed(spec.keywords["submodules"])})
+    return spec
 
 
 _classes: dict[str, type] = {}   # backend-independent modules, built once Megatron is importable
@@ -155,7 +190,9 @@ def _build_duplicated_linear():
     from megatron.core.tensor_parallel import layers, random
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-    class AdaptDuplicatedLinear(torch.nn.Module):
+    from megatron_adapt.patches.delayed_wgrad import DelayedWgradLinear, DelayedWgradLinearMixin, delayed
+
+    class AdaptDuplicatedLinear(DelayedWgradLinearMixin, torch.nn.Module):
         """A linear replicated on every tensor-parallel rank: TELinear's constructor arguments,
         its parameter names (`weight` [out, in], `bias`) and checkpoint layout (replicated, with an
         empty `_extra_state`).
@@ -205,9 +242,15 @@ def _build_duplicated_linear():
                 p.allreduce = True
                 p.sequence_parallel = bool(config.sequence_parallel)
                 p.tensor_model_parallel = False
+            if delayed(config):  # the weight gradient in backward_dw() (patches/delayed_wgrad)
+                self._init_delayed_wgrad()
 
         def forward(self, x):
             bias = None if self.skip_bias_add else self.bias
+            if self.delay_wgrad_compute and self.weight.requires_grad:
+                fuse = self.config.gradient_accumulation_fusion and hasattr(self.weight, "main_grad")
+                out = DelayedWgradLinear.apply(x, self.weight, bias, self, fuse, False, False, None)
+                return out, (self.bias if self.skip_bias_add else None)
             out = layers.linear_with_grad_accumulation_and_async_allreduce(
                 x, self.weight, bias, gradient_accumulation_fusion=self.config.gradient_accumulation_fusion,
                 allreduce_dgrad=False, sequence_parallel=False)

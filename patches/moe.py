@@ -161,7 +161,7 @@ class _StackExpertWeights(torch.autograd.Function):
 def grouped_linear_classes(backend):
     """(column, row) grouped-linear builders for core_v0.17+'s TEGroupedMLP on the backend's
     grouped_gemm op, with the constructor, forward and checkpoint layout of TE's
-    TEColumnParallelGroupedLinear / TERowParallelGroupedLinear (no FP8, no delayed wgrad)."""
+    TEColumnParallelGroupedLinear / TERowParallelGroupedLinear (no FP8; delay_wgrad_compute's backward_dw: patches/delayed_wgrad)."""
     if backend.name not in _linears:
         _linears[backend.name] = _grouped_linear_classes(backend)
     return _linears[backend.name]
@@ -174,9 +174,11 @@ def _grouped_linear_classes(backend):
     from megatron.core.tensor_parallel.utils import divide
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-    grouped_gemm = backend.op("grouped_gemm")
+    from megatron_adapt.patches.delayed_wgrad import DelayedWgradGroupedGemm, DelayedWgradGroupedMixin, delayed
 
-    class AdaptGroupedLinear(torch.nn.Module):
+    grouped_gemm, grouped_wgrad = backend.op("grouped_gemm"), backend.op("grouped_gemm_wgrad")
+
+    class AdaptGroupedLinear(DelayedWgradGroupedMixin, torch.nn.Module):
         """`num_gemms` linears (one per local expert), weights `weight{i}` [out, in] as TE's
         GroupedLinear; forward(x, m_splits) runs all of them as one backend grouped GEMM."""
 
@@ -192,11 +194,11 @@ def _grouped_linear_classes(backend):
             super().__init__()
             if not is_expert:
                 raise ValueError("grouped linears serve MoE experts only (is_expert=True), as TE's")
-            for flag in ("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"):
-                if getattr(config, flag, False):
-                    raise NotImplementedError(
-                        f"{flag}=True needs TE's grouped linear with a split weight-gradient pass; "
-                        "megatron-adapt's grouped linear computes weight gradients in the backward")
+            if getattr(config, "overlap_dispatch_backward_with_experts_wgrad", False):
+                raise NotImplementedError(
+                    "overlap_dispatch_backward_with_experts_wgrad=True needs TE's grouped linear "
+                    "(its dispatch-overlapped wgrad pass); megatron-adapt's grouped linear serves "
+                    "delay_wgrad_compute's backward_dw only")
             if config.fp8 or getattr(config, "fp4", None):
                 raise NotImplementedError("FP8/FP4 expert GEMMs are Transformer Engine's")
             self.config, self.num_gemms = config, num_gemms
@@ -234,11 +236,17 @@ def _grouped_linear_classes(backend):
                     b.partition_dim, b.partition_stride = 0, 1
                     b.allreduce = not use_expert_pgs
                     self.register_parameter(f"bias{i}", b)
+            if delayed(config):  # the weight gradients in backward_dw() (patches/delayed_wgrad)
+                self._init_delayed_wgrad()
 
         def forward(self, x, m_splits):
             weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
             fuse = self.config.gradient_accumulation_fusion and all(hasattr(w, "main_grad") for w in weights)
-            out = grouped_gemm(x, _StackExpertWeights.apply(fuse, *weights), m_splits, True)
+            if self.delay_wgrad_compute and any(w.requires_grad for w in weights):
+                out = DelayedWgradGroupedGemm.apply(x, m_splits, (grouped_gemm, grouped_wgrad), self, fuse,
+                                                    *weights)
+            else:
+                out = grouped_gemm(x, _StackExpertWeights.apply(fuse, *weights), m_splits, True)
             if not self.use_bias:
                 return out, None
             biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
@@ -248,9 +256,6 @@ def _grouped_linear_classes(backend):
             # size read back (both would break a CUDA graph capture of the layer)
             splits = m_splits.tolist() if torch.is_tensor(m_splits) else m_splits
             return out + torch.cat([b.expand(int(n), b.shape[0]) for b, n in zip(biases, splits)]), None
-
-        def backward_dw(self):
-            """Weight gradients are computed in the backward (delay_wgrad_compute is refused)."""
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             """Per expert, as TE's grouped linears (and SequentialMLP): `weight{i}` is the global

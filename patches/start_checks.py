@@ -4,8 +4,10 @@ Runs every check registered with megatron_adapt.start_checks (fp8's included, pa
 Megatron-LM's `set_global_variables` (right after argument validation) and from
 `TransformerConfig.__post_init__`, and registers the checks of this area:
 
-* `--delay-wgrad-compute`: the linears here compute weight gradients inside the backward; TE's split
-  weight-gradient pass (`backward_dw`) is not served (the grouped expert linear refused it at build).
+* `--delay-wgrad-compute` with fp8 / fp4 or with CUDA graphs: the split weight-gradient pass
+  (`backward_dw`, patches/delayed_wgrad) is served on the bf16 / fp16 / fp32 linears, eagerly; the
+  fp8 linears compute their weight gradients inside the backward, and a graph replay would not
+  refill the linears' Python-side stash.
 * `--multi-latent-attention --transformer-impl local`: Megatron's local spec gives MLA a
   DotProductAttention, which takes no k_channels / v_channels (TypeError at model build). MLA is
   served through the transformer_engine spec. Refused also where a megatron-core user asks the
@@ -46,11 +48,20 @@ def build_config_check(backend, original):
 
 # ---------------------------------------------------------------- this area's checks
 def wgrad_refusal(backend, s: dict) -> str | None:
-    if s.get("delay_wgrad_compute"):
-        return (f"--delay-wgrad-compute: {where(backend)} cannot run it: megatron-adapt's linears "
-                f"compute weight gradients inside the backward; Transformer Engine's split "
-                f"weight-gradient pass (backward_dw) is not served. Train without "
-                f"--delay-wgrad-compute.")
+    """--delay-wgrad-compute is served (patches/delayed_wgrad) except on the fp8 / fp4 linears and
+    under CUDA graphs."""
+    graphs = s.get("cuda_graph_impl")
+    if s.get("delay_wgrad_compute") and graphs not in (None, "none"):
+        return (f"--delay-wgrad-compute with --cuda-graph-impl {graphs}: {where(backend)} cannot run it: "
+                f"megatron-adapt's linears keep what the deferred weight-gradient GEMM needs in Python "
+                f"state that a captured graph's replay does not refill (TE's graphed backward_dw is not "
+                f"served). Drop one of the two.")
+    if s.get("delay_wgrad_compute") and (s.get("fp8") or s.get("fp4")):
+        flag = "--fp8-format" if s.get("fp8") else "--fp4-format"
+        return (f"--delay-wgrad-compute with {flag}: {where(backend)} cannot run it: megatron-adapt's "
+                f"fp8 / fp4 linears compute their weight gradients inside the backward (the split "
+                f"weight-gradient pass, backward_dw, is served on the bf16 / fp16 / fp32 linears only). "
+                f"Drop --delay-wgrad-compute or the low-precision format.")
     return None
 
 
@@ -75,7 +86,8 @@ def moe_latent_refusal(backend, s: dict) -> str | None:
 
 
 def _settings_of(config) -> dict:
-    names = ("delay_wgrad_compute", "multi_latent_attention", "transformer_impl", "moe_latent_size")
+    names = ("delay_wgrad_compute", "fp8", "fp4", "cuda_graph_impl", "multi_latent_attention", "transformer_impl",
+             "moe_latent_size")
     return {n: getattr(config, n, None) for n in names}
 
 

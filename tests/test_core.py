@@ -484,3 +484,24 @@ def test_cpu_device_layer_maps_a_device_index_to_the_cpu():
         print("OK")
         """), env={"MEGATRON_ADAPT_AUTO": "0"})
     assert proc.stdout.strip().endswith("OK"), proc.stdout
+
+
+def test_cpu_device_layer_streams_are_recordable():
+    """Megatron's EP-overlap schedule nodes (`--overlap-moe-expert-parallel-comm`,
+    pipeline_parallel/utils.py ScheduleNode) call `input.record_stream(stream)` on the streams
+    `torch.cuda.Stream()` / `current_stream()` give; with a plain-object stand-in the argument
+    parser raised "unknown parameter type" at the first MoE dispatch."""
+    proc = run_python(textwrap.dedent("""
+        import torch, megatron_adapt
+        megatron_adapt.apply("cpu", quiet=True)
+        for stream in (torch.cuda.Stream(priority=-1), torch.cuda.current_stream()):
+            assert stream.device.type == "cpu", stream.device
+            x = torch.ones(2)
+            x.record_stream(stream)
+            with torch.cuda.stream(stream):
+                stream.wait_stream(torch.cuda.current_stream())
+            x.untyped_storage().resize_(0)
+        megatron_adapt.revert()
+        print("OK")
+        """), env={"MEGATRON_ADAPT_AUTO": "0"})
+    assert proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr

@@ -77,11 +77,17 @@ class CudaOnCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _Stream:
-    """A CUDA stream stand-in: work on the CPU is already ordered."""
+class _Stream(torch.Stream):
+    """A CUDA stream stand-in: work on the CPU is already ordered. A `torch.Stream` (the CPU's)
+    so that `Tensor.record_stream(stream)` parses it (the argument parser refuses any other
+    object before the mode sees the call; Megatron's EP-overlap schedule nodes record their
+    inputs on their streams); `device` is the CPU."""
+
+    def __new__(cls, *args, **kwargs):
+        return super().__new__(cls, "cpu")
 
     def __init__(self, *args, **kwargs):
-        self.device = torch.device("cpu")
+        pass
 
     def wait_stream(self, other):
         pass

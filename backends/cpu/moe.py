@@ -9,6 +9,11 @@ def grouped_gemm(x, w, tokens_per_expert, trans_b: bool = False):
     return reference.grouped_gemm(x, w, tokens_per_expert, trans_b)
 
 
+def grouped_gemm_wgrad(a, b, tokens_per_expert):
+    report.ran("grouped_gemm_wgrad", "cpu.loop(matmul per expert)")
+    return reference.grouped_gemm_wgrad(a, b, tokens_per_expert)
+
+
 def moe_permute(tokens, routing_map, probs=None, num_out_tokens=None):
     report.ran("moe_permute", "cpu.torch.index_select")
     return reference.moe_permute(tokens, routing_map, probs, num_out_tokens)

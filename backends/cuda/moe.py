@@ -112,6 +112,17 @@ def grouped_gemm(x, w, tokens_per_expert, trans_b: bool = False):
     return reference.grouped_gemm(x, w, tokens_per_expert, trans_b)
 
 
+def grouped_gemm_wgrad(a, b, tokens_per_expert):
+    """dw[e] = a_e^T @ b_e: torch._grouped_mm with the groups along the contraction (the kernel
+    grouped_gemm's backward runs for dW), else one matmul per expert, reported with the reason."""
+    why = grouped_mm_reason(a, b.unsqueeze(0)) or (None if a.is_cuda else f"tensors on {a.device}")
+    if why is None:
+        report.ran("grouped_gemm_wgrad", "cuda.torch._grouped_mm(k-axis groups)")
+        return torch._grouped_mm(a.contiguous().t(), b.contiguous(), offs=group_offsets(tokens_per_expert, a.device))
+    report.fell_back("grouped_gemm_wgrad", "cuda.loop(matmul per expert)", why)
+    return reference.grouped_gemm_wgrad(a, b, tokens_per_expert)
+
+
 def moe_permute(tokens, routing_map, probs=None, num_out_tokens=None):
     report.ran("moe_permute", "cuda.torch.sort+index_select")
     return reference.moe_permute(tokens, routing_map, probs, num_out_tokens)

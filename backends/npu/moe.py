@@ -53,14 +53,14 @@ def _gmm_rows(x, w, groups):
     return npu.npu_grouped_matmul([x], list(w.unbind(0)), group_list=groups, split_item=2)[0]
 
 
-def _wgrad(x, dy, groups, counts):
-    """dW [E, k, n] = x_e^T @ dy_e for each expert e."""
+def _wgrad(x, dy, groups, counts, op="grouped_gemm"):
+    """dW [E, k, n] = x_e^T @ dy_e for each expert e (reported under `op`)."""
     forms = api()
     if forms.gmm_k_axis:
-        report.ran("grouped_gemm", GMM_WGRAD)
+        report.ran(op, GMM_WGRAD)
         return torch_npu().npu_grouped_matmul([x.t()], [dy], bias=None, group_list=groups, split_item=3,
                                               group_type=2, group_list_type=0)[0]
-    report.fell_back("grouped_gemm", WGRAD_LOOP,
+    report.fell_back(op, WGRAD_LOOP,
                      f"{forms.describe()}: npu_grouped_matmul takes group_type=2 (K-axis groups, the "
                      "weight gradient) from Ascend Extension 7.2.0 on")
     if counts is None:  # the tensor group_list form: read the counts on the host only on this path
@@ -109,15 +109,32 @@ def grouped_gemm(x, w, tokens_per_expert, trans_b: bool = False):
         report.fell_back("grouped_gemm", "npu.loop(matmul per expert)", why)
         return reference.grouped_gemm(x, w, tokens_per_expert, trans_b)
     report.ran("grouped_gemm", GMM)
-    if api().gmm_tensor_group_list:  # cumulative counts stay on the device: no host sync per call
-        counts = None
-        per_expert = tokens_per_expert if is_tensor else torch.tensor(tokens_per_expert)
-        groups = torch.cumsum(per_expert.to(device=x.device, dtype=torch.int64), 0)
-    else:                            # 6.0.0: group_list is a list of ints
-        counts = [int(c) for c in (tokens_per_expert.tolist() if is_tensor else tokens_per_expert)]
-        groups = torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist()
+    groups, counts = _group_list(tokens_per_expert, x.device)
     wk = w.transpose(-2, -1).contiguous() if trans_b else w.contiguous()
     return _GroupedMatmul.apply(x.contiguous(), wk, groups, counts)
+
+
+def _group_list(tokens_per_expert, device):
+    """(group_list, host counts | None) in this release's call form."""
+    is_tensor = isinstance(tokens_per_expert, torch.Tensor)
+    if api().gmm_tensor_group_list:  # cumulative counts stay on the device: no host sync per call
+        per_expert = tokens_per_expert if is_tensor else torch.tensor(tokens_per_expert)
+        return torch.cumsum(per_expert.to(device=device, dtype=torch.int64), 0), None
+    # 6.0.0: group_list is a list of ints
+    counts = [int(c) for c in (tokens_per_expert.tolist() if is_tensor else tokens_per_expert)]
+    return torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist(), counts
+
+
+def grouped_gemm_wgrad(a, b, tokens_per_expert):
+    """dw[e] = a_e^T @ b_e: npu_grouped_matmul with K-axis groups (group_type=2, 7.2.0 on), else
+    one matmul per expert, reported with the reason."""
+    is_tensor = isinstance(tokens_per_expert, torch.Tensor)
+    why = _unsupported(a, b, tokens_per_expert.numel() if is_tensor else len(tokens_per_expert))
+    if why is not None:
+        report.fell_back("grouped_gemm_wgrad", "npu.loop(matmul per expert)", why)
+        return reference.grouped_gemm_wgrad(a, b, tokens_per_expert)
+    groups, counts = _group_list(tokens_per_expert, a.device)
+    return _wgrad(a.contiguous(), b.contiguous(), groups, counts, op="grouped_gemm_wgrad")
 
 
 def _no_permute(name):

@@ -189,3 +189,22 @@ def test_grouped_gemm_uneven_host_splits_capture():
         static = moe.grouped_gemm(x, w, sizes, True)
     graph.replay()
     assert torch.equal(static, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("sizes", SIZES)
+def test_grouped_gemm_wgrad_op(dtype, sizes):
+    """--delay-wgrad-compute's grouped weight gradient dw[e] = dy_e^T @ x_e ([E, n, k], the weight
+    gradient of grouped_gemm(x, w [E, n, k], trans_b=True)) against fp64: torch._grouped_mm with
+    K-axis groups on Hopper bf16, else the loop with its reason (what runs without a GPU)."""
+    x, w = operands(sizes, dtype, True)
+    reset()
+    ours, ref = run(lambda x, w, s, t: moe.grouped_gemm(x, w, torch.tensor(s), t), x, w, sizes, True)
+    g = torch.randn(ours[0].shape, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1)).to(dtype)
+    reset()
+    dw = moe.grouped_gemm_wgrad(g, x, torch.tensor(sizes))
+    assert dw.shape == w.shape
+    assert_close(dw, ref[2], dtype, "dw", scale=1.5)
+    fast = HOPPER and dtype == torch.bfloat16 and sum(sizes) > 0
+    assert ran_impl("grouped_gemm_wgrad") == (
+        {"cuda.torch._grouped_mm(k-axis groups)"} if fast else {"cuda.loop(matmul per expert)"})

@@ -22,9 +22,10 @@ def assert_refused_at_start(run, expected: str):
 
 @pytest.mark.parametrize("flags,expected", [
     (["--bf16", "--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
-      "alltoall", "--moe-grouped-gemm", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"],
-     "--delay-wgrad-compute: the cpu backend cannot run it: megatron-adapt's linears compute weight "
-     "gradients inside the backward"),
-], ids=["delay_wgrad_compute"])
+      "alltoall", "--moe-grouped-gemm", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
+      "--fp8-format", "hybrid"],
+     "--delay-wgrad-compute with --fp8-format: the cpu backend cannot run it: megatron-adapt's fp8 / fp4 "
+     "linears compute their weight gradients inside the backward"),
+], ids=["delay_wgrad_compute_fp8"])
 def test_pretrain_gpt_flag_refused_at_start(tmp_path, flags, expected):
     assert_refused_at_start(pretrain(flags, tmp_path, "refused", iters=3), expected)

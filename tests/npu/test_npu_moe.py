@@ -203,3 +203,22 @@ def test_emulated_contract_rejections(torch_npu):
         torch_npu.npu_moe_token_permute(torch.randn(4, 3), torch.zeros(4, 2, dtype=torch.int64))
     with pytest.raises(EmulatedNPUError, match="int32"):
         torch_npu.npu_moe_token_unpermute(torch.randn(4, 3).bfloat16(), torch.arange(4))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("sizes", [[5, 0, 3, 9, 0, 1], [0, 4]])
+def test_grouped_gemm_wgrad_npu(torch_npu, report, dtype, sizes):
+    """--delay-wgrad-compute's grouped weight gradient: dw[e] = a_e^T @ b_e against fp64, through
+    npu_grouped_matmul's K-axis groups where the release has them, else the reported loop."""
+    from megatron_adapt.backends.npu import _lib, moe
+
+    torch.manual_seed(0)
+    a, b = torch.randn(sum(sizes), 16).to(dtype), torch.randn(sum(sizes), 24).to(dtype)
+    dw = op("grouped_gemm_wgrad")(a, b, torch.tensor(sizes))
+    expected = ref.grouped_gemm_wgrad(a.double(), b.double(), sizes)
+    torch.testing.assert_close(dw.double(), expected, atol=TOL[dtype] * 16, rtol=TOL[dtype] * 4)
+    done, forms = ran(report, "grouped_gemm_wgrad"), _lib.api()
+    if not forms.gmm_tensor_group_list and (dtype == torch.float32 or len(sizes) == 1):
+        assert done == {"npu.loop(matmul per expert)"}
+    else:
+        assert done == ({moe.GMM_WGRAD} if forms.gmm_k_axis else {moe.WGRAD_LOOP})

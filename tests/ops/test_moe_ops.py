@@ -185,3 +185,24 @@ def test_router_scores(score):
     assert torch.equal(routing_map, torch.zeros(10, 6, dtype=torch.bool).scatter(1, ref.topk(2).indices, True))
     scores.sum().backward()  # differentiable (the aux loss flows through it)
     assert logits.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sizes", SIZES)
+def test_grouped_gemm_wgrad_is_the_grouped_gemm_weight_gradient(dtype, sizes):
+    """grouped_gemm_wgrad(dy, x) [E, n, k] (--delay-wgrad-compute's backward_dw) against the fp64
+    weight gradient of y_e = x_e @ w_e^T (trans_b), experts without rows zero."""
+    e, k, n = len(sizes), 24, 40
+    x = torch.randn(sum(sizes), k).to(dtype)
+    w = torch.randn(e, n, k, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(sum(sizes), n).to(dtype)
+    ref_grouped(x.double(), w, sizes, trans_b=True).backward(g.double())
+    dw = moe.grouped_gemm_wgrad(g, x, torch.tensor(sizes))
+    assert dw.shape == (e, n, k) and dw.dtype == dtype
+    tol = TOL[dtype] * 16
+    torch.testing.assert_close(dw.double(), w.grad, atol=tol, rtol=tol)
+    for ex, cnt in enumerate(sizes):
+        if cnt == 0:
+            assert (dw[ex] == 0).all()
+    with pytest.raises(ValueError, match="does not split"):
+        moe.grouped_gemm_wgrad(g, x, torch.tensor([*sizes[:-1], sizes[-1] + 1]))

@@ -31,8 +31,6 @@ class TestConfig:
     @pytest.mark.parametrize("key,expected", [
         ("cpu_offloading_weights", "TransformerConfig: cpu_offloading_weights: the cpu backend cannot run it: "
                                    "weight offloading is Transformer Engine's"),
-        ("delay_wgrad_compute", "TransformerConfig: --delay-wgrad-compute: the cpu backend cannot run it: "
-                                "megatron-adapt's linears compute weight gradients inside the backward"),
         ("mla_local", "MLATransformerConfig: --multi-latent-attention --transformer-impl local: the cpu backend "
                       "cannot run it: Megatron's local spec builds MLA's core attention from DotProductAttention"),
         ("cp_a2a_heads", "TransformerConfig: --cp-comm-type a2a with --context-parallel-size 2: the cpu backend "
@@ -49,7 +47,7 @@ class TestConfig:
             pytest.skip(f"this megatron-core's TransformerConfig has no {key}")
         assert got.startswith(REFUSED + expected), got
 
-    @pytest.mark.parametrize("key", ["plain", "mla_te", "cp_a2a_served", "cpu_offloading",
+    @pytest.mark.parametrize("key", ["plain", "mla_te", "cp_a2a_served", "cpu_offloading", "delay_wgrad_compute",
                                      "fine_grained_activation_offloading", "moe_grouped_bias"])
     def test_served_configs_build(self, key):
         got = worker("config")[key]
@@ -118,7 +116,10 @@ DELAY_WGRAD = ["--delay-wgrad-compute", "--num-experts", "4", "--expert-model-pa
                "--moe-grouped-gemm"]
 CASES = [
     # refused by megatron-adapt at start (Megatron itself would fail later, at model build or in the first forward)
-    (DELAY_WGRAD, REFUSED + "--delay-wgrad-compute: the cpu backend cannot run it"),
+    (DELAY_WGRAD + ["--fp8-format", "hybrid"],
+     REFUSED + "--delay-wgrad-compute with --fp8-format: the cpu backend cannot run it"),
+    (DELAY_WGRAD + ["--cuda-graph-impl", "local", "--moe-pad-experts-for-cuda-graph-inference"],
+     REFUSED + "--delay-wgrad-compute with --cuda-graph-impl local: the cpu backend cannot run it"),
     (["--multi-latent-attention", "--transformer-impl", "local"],
      REFUSED + "--multi-latent-attention --transformer-impl local: the cpu backend cannot run it"),
     (["--fp8-format", "hybrid", "--bf16"], REFUSED + "--fp8-format hybrid: the cpu backend cannot run it"),
@@ -143,6 +144,7 @@ CASES = [
     # served: not refused
     (["--multi-latent-attention"], "passed"),
     (["--num-experts", "4", "--moe-grouped-gemm"], "passed"),    # with Megatron's default --add-bias-linear
+    (DELAY_WGRAD, "passed"),                                    # patches/delayed_wgrad
     (["--cpu-offloading-num-layers", "1"], "passed"),
     (["--cpu-offloading-num-layers", "1", "--cuda-graph-impl", "local"],
      REFUSED + "--cpu-offloading-num-layers with --cuda-graph-impl local: the cpu backend cannot run it"),
@@ -170,7 +172,8 @@ def test_megatron_argument_path(flags, expected):
 def test_disabling_an_area_drops_only_its_checks():
     res = _args_results((("MEGATRON_ADAPT_DISABLE", "fp8"),))
     assert res[" ".join(TINY + ["--fp8-format", "hybrid", "--bf16"])] == "passed"
-    assert res[" ".join(TINY + DELAY_WGRAD)].startswith(REFUSED)
+    assert res[" ".join(TINY + DELAY_WGRAD + ["--fp8-format", "hybrid"])].startswith(
+        REFUSED + "--delay-wgrad-compute with --fp8-format")
 
 
 @pytest.mark.parametrize("backend", ["cuda", "npu"])
@@ -180,7 +183,10 @@ def test_disabling_an_area_drops_only_its_checks():
     ({"cpu_offloading": True, "cuda_graph_impl": "full_iteration"},
      "--cpu-offloading-num-layers with --cuda-graph-impl full_iteration"),
     ({"cpu_offloading": True, "cuda_graph_impl": "none"}, None),
-    ({"delay_wgrad_compute": True}, "--delay-wgrad-compute"),
+    ({"delay_wgrad_compute": True}, None),                                # served (patches/delayed_wgrad)
+    ({"delay_wgrad_compute": True, "fp8": "hybrid"}, "--delay-wgrad-compute with --fp8-format"),
+    ({"delay_wgrad_compute": True, "cuda_graph_impl": "local"}, "--delay-wgrad-compute with --cuda-graph-impl local"),
+    ({"delay_wgrad_compute": True, "cuda_graph_impl": "none"}, None),
     ({"multi_latent_attention": True, "transformer_impl": "local"}, "--multi-latent-attention --transformer-impl local"),
     ({"multi_latent_attention": True, "transformer_impl": "transformer_engine"}, None),
     ({"cpu_offloading": False, "delay_wgrad_compute": False}, None),
