@@ -130,11 +130,9 @@ OPS: dict[str, Op] = {
     "fp8_linear": Op(
         ".fp8:fp8_linear",
         "(x [..., in], weight [out, in], bias [out] | None, scaling: backends.fp8_scaling."
-        "Fp8Scaling, wgrad_sink: callable | None, weight_cache: dict | None) -> y [..., out] "
-        "x.dtype: forward, dgrad and wgrad GEMMs in fp8 with scaling's format and recipe; "
-        "wgrad_sink(dW fp32) returns the weight's gradient (gradient-accumulation fusion), without "
-        "it dW in weight.dtype; weight_cache (the linear's dict, cache['refresh'] False after a "
-        "step's first micro-batch) reuses the weight's fp8 copies within a step, as TE's does. "
+        "Fp8Scaling, wgrad_sink: callable | None) -> y [..., out] x.dtype: forward, dgrad and "
+        "wgrad GEMMs in fp8 with scaling's format and recipe; wgrad_sink(dW fp32) returns the "
+        "weight's gradient (gradient-accumulation fusion), without it dW in weight.dtype. "
         "Served only where fp8_unavailable() is None (cuda)"),
     "ssd_scan": Op(
         ".ssm:ssd_scan",

@@ -266,10 +266,6 @@ def fp8_variant(base, backend):
             self.fp8_scaling = Fp8Scaling(recipe_from_config(config),
                                           device=weight.device if weight is not None else None)
             self._fp8_op = backend.op("fp8_linear")
-            # TE's flag, which Megatron's schedules set through MegatronModule.set_is_first_microbatch
-            # at each step's first micro-batch: the fp8 weight copies are cast then and reused after
-            self.is_first_microbatch = True
-            self._fp8_weight_cache = {}
 
         def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (Megatron's names)
             recipe = active_recipe()
@@ -303,9 +299,7 @@ def fp8_variant(base, backend):
             elif kwargs.get("allreduce_dgrad"):
                 x = copy_to_tensor_model_parallel_region(x, group=group)
             sink = _wgrad_sink(weight, bool(kwargs.get("gradient_accumulation_fusion")))
-            cache = self._fp8_weight_cache
-            cache["refresh"], self.is_first_microbatch = self.is_first_microbatch, False
-            return self._fp8_op(x, weight, kwargs.get("bias"), scaling, sink, cache)
+            return self._fp8_op(x, weight, kwargs.get("bias"), scaling, sink)
 
         # TE's checkpoint layout: the scaling state in the module's _extra_state
         def get_extra_state(self):

@@ -126,34 +126,16 @@ def _gemm(a, b, scale_a, scale_b, out_dtype, fast_accum):
                             use_fast_accum=fast_accum and a.is_cuda)
 
 
-def _weight_fp8(weight, dtype, need_t, scaling, cache):
-    """The weight's fp8 copy, its transpose where dgrad needs it, and its scale_inv: cast now, or
-    taken from `cache` (the linear's dict) when the linear said this is not the step's first
-    micro-batch (cache["refresh"] False). That is TE's fp8 weight cache, driven as TE's is by
-    Megatron's is_first_microbatch: the weights change only between steps, so the other
-    micro-batches reuse the first one's cast (and, with delayed scaling, record no weight amax)."""
-    key = (weight.data_ptr(), weight.dtype, tuple(weight.shape), dtype)
-    if cache is not None and not cache.get("refresh", True):
-        hit = cache.get("weight")
-        if hit is not None and hit[0] == key and (hit[2] is not None or not need_t):
-            return hit[1:]
-    w8, w8t, s_inv = quantize(weight, dtype, need_t, scaling, "fwd", 1)
-    if cache is not None:
-        cache["weight"] = (key, w8, w8t, s_inv)
-        cache["casts"] = cache.get("casts", 0) + 1
-    return w8, w8t, s_inv
-
-
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, scaling, wgrad_sink, weight_cache):
+    def forward(ctx, x, weight, bias, scaling, wgrad_sink):
         r = scaling.recipe
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fp8_wgrad = need_wgrad and r.wgrad
         x8, x8t, sx_inv = quantize(x2, r.fwd_dtype, fp8_wgrad, scaling, "fwd", 0)
-        w8, w8t, sw_inv = _weight_fp8(weight, r.fwd_dtype, need_dgrad, scaling, weight_cache)
+        w8, w8t, sw_inv = quantize(weight, r.fwd_dtype, need_dgrad, scaling, "fwd", 1)
         y = _gemm(x8, w8.t(), sx_inv, sw_inv, x.dtype, True)
         if bias is not None:
             y = y + bias
@@ -186,7 +168,7 @@ class _Fp8Linear(torch.autograd.Function):
             db = dy2.sum(0)
         if r.recipe == "delayed":
             scaling.update("bwd")
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None
 
 
 def unsupported_shape(x: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -201,16 +183,15 @@ def unsupported_shape(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
-def fp8_linear(x, weight, bias, scaling: Fp8Scaling, wgrad_sink=None, weight_cache=None):
-    """y = x @ weight^T (+ bias) with fp8 GEMMs forward and backward; see the module doc.
-    weight_cache: None (cast the weight every call) or the linear's dict (_weight_fp8)."""
+def fp8_linear(x, weight, bias, scaling: Fp8Scaling, wgrad_sink=None):
+    """y = x @ weight^T (+ bias) with fp8 GEMMs forward and backward; see the module doc."""
     why = unsupported_shape(x, weight)
     if why is not None:
         report.fell_back("fp8_linear", f"{x.dtype} matmul (not fp8)", why)
         return _HighPrecisionLinear.apply(x, weight, bias, wgrad_sink)
     report.ran("fp8_linear", f"{'cuda' if x.is_cuda else x.device.type}.scaled_mm"
                              f"({scaling.recipe.format}, {scaling.recipe.recipe})")
-    return _Fp8Linear.apply(x, weight, bias, scaling, wgrad_sink, weight_cache)
+    return _Fp8Linear.apply(x, weight, bias, scaling, wgrad_sink)
 
 
 class _HighPrecisionLinear(torch.autograd.Function):

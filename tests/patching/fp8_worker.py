@@ -144,16 +144,6 @@ def train():
     plain, _ = model()
     out["plain_loads_fp8_checkpoint"] = str(plain.load_state_dict(sd, strict=True))
     out["report_impls"] = sorted(report.op_counts().get("fp8_linear", {}))
-    # TE's fp8 weight cache: Megatron's schedules call set_is_first_microbatch() at each step's first
-    # micro-batch; the fp8 linears cast their weights then and reuse the cast for the others
-    m, _ = model(fp8="hybrid", fp8_recipe="tensorwise")
-    linears = [mod for mod in m.modules() if hasattr(mod, "_fp8_weight_cache")]
-    for _step in range(2):
-        m.set_is_first_microbatch()
-        for _micro in range(3):
-            m(tokens, pos, None, labels=labels).float().mean().backward()
-    out["weight_cache"] = {"linears": len(linears), "flag_reached": len(m.modules_with_is_first_microbatch),
-                           "casts": sorted({mod._fp8_weight_cache["casts"] for mod in linears})}
 
 
 {"refusal": refusal, "train": train}[scenario]()

@@ -51,8 +51,6 @@ class TestFp8ThroughMegatron:
         assert res["extra_state_type"] == "Tensor" and res["extra_state_roundtrip"] and res["extra_state_nontrivial"]
         assert res["plain_loads_fp8_checkpoint"] == "<All keys matched successfully>"
         assert res["report_impls"] == ["cpu.scaled_mm(hybrid, delayed)", "cpu.scaled_mm(hybrid, tensorwise)"]
-        # 2 steps x 3 micro-batches: each of the 12 fp8 linears cast its weight once per step
-        assert res["weight_cache"] == {"linears": 12, "flag_reached": 12, "casts": [2]}, res["weight_cache"]
 
 
 @pytest.mark.parametrize("settings,expected", [
