@@ -28,7 +28,7 @@ import os
 import sys
 import time
 
-from megatron_adapt import report
+from megatron_adapt import report, start_checks
 from megatron_adapt.spec import WRAP, PatchSpec
 
 def _backend_frame(exc):
@@ -185,10 +185,36 @@ def _moe_why_not(args) -> str | None:
     return None
 
 
+def _packed_flags(settings: dict) -> list[str]:
+    return [flag for flag, name in (("--sft", "sft"),
+                                    ("--dataloader-inter-document-masking", "dataloader_inter_document_masking"))
+            if settings.get(name)]
+
+
+PACKED_WHY = ("packed (thd) attention reads each batch's cu_seqlens on the host to lay out its "
+              "documents, which a graph replay would not redo")
+
+
+def packed_refusal(backend, args) -> str | None:
+    """A launch's own --cuda-graph-impl with packed sequences: refused at start."""
+    graphs = args.get("cuda_graph_impl") or "none"
+    flags = _packed_flags(args)
+    if graphs == "none" or not flags:
+        return None
+    return (f"{' '.join(flags)} with --cuda-graph-impl {graphs}: {start_checks.where(backend)} cannot run it: "
+            f"{PACKED_WHY}. Use one of the two.")
+
+
+start_checks.register("cuda_graphs", "packed_sequences", from_args=packed_refusal)
+
+
 def graph_plan(args, backend_name: str) -> str | None:
     """Why Megatron's layer-scope CUDA graphs cannot capture this configuration, or None if they can."""
     if backend_name != "cuda":
         return f"CUDA graphs need the cuda backend (this process runs {backend_name})"
+    packed = _packed_flags(vars(args))
+    if packed:
+        return f"{' '.join(packed)}: {PACKED_WHY}"
     if getattr(args, "num_experts", None):
         why = _moe_why_not(args)
         if why:

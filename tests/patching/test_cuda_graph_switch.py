@@ -207,3 +207,33 @@ def test_real_parser_dropless_moe_auto_and_strict(python):
     assert auto["impl"] == "none" and auto["fallbacks"] == [] and auto["switch"][0].startswith(f"eager (auto: {reason}")
     strict, _ = parse_cases(python, [TINY + MOE + ALLTOALL], strict=True)
     assert strict.returncode != 0 and "StrictFallbackError" in strict.stderr and reason in strict.stderr
+
+
+PACKED = textwrap.dedent("""
+    import types
+    import megatron_adapt
+    megatron_adapt.apply("cpu", quiet=True)
+    from megatron_adapt.patches.cuda_graphs import build_switch, packed_refusal
+    cuda = types.SimpleNamespace(name="cuda")
+    for flag in ("sft", "dataloader_inter_document_masking"):
+        ns = types.SimpleNamespace(cuda_graph_impl="none", num_experts=None, **{{flag: True}})
+        print("IMPL", build_switch(cuda, None)(lambda: ns, None, (), {{}}).cuda_graph_impl)
+        print("REFUSED", packed_refusal(cuda, {{"cuda_graph_impl": "local", flag: True}}))
+        print("SERVED", packed_refusal(cuda, {{"cuda_graph_impl": "none", flag: True}}),
+              packed_refusal(cuda, {{"cuda_graph_impl": "local", flag: False}}))
+""")
+
+
+def test_packed_sequences_stay_eager_and_a_launch_flag_is_refused(python):
+    """Packed (thd) batches: the THD attention lays out each batch's documents from cu_seqlens read
+    on the host, which a graph replay would not redo. The switch says so and runs eager; a launch's own
+    --cuda-graph-impl with --sft / --dataloader-inter-document-masking is refused at start."""
+    proc = python(PACKED.format(), env={"MEGATRON_ADAPT_CUDA_GRAPHS": "auto"}, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("IMPL none") == 2, proc.stdout
+    for flag in ("--sft", "--dataloader-inter-document-masking"):
+        assert (f"MEGATRON_ADAPT_CUDA_GRAPHS=auto: running eager: {flag}: packed (thd) attention reads each "
+                "batch's cu_seqlens on the host") in proc.stderr, proc.stderr
+        assert (f"REFUSED {flag} with --cuda-graph-impl local: the cuda backend cannot run it: packed (thd) "
+                "attention reads") in proc.stdout, proc.stdout
+    assert proc.stdout.count("SERVED None None") == 2, proc.stdout
