@@ -4,7 +4,7 @@ of cuDNN's dense rate on an H100 (docs/long-context.md); cuDNN's ragged graphs r
 kernel as its dense causal attention, doing only the within-document work.
 
 Built with the cuDNN frontend's Python graphs (`pip install nvidia-cudnn-frontend`, which loads the
-libcudnn that torch ships). A graph depends on the number of sequences, the longest one and the total
+libcudnn that torch ships); MEGATRON_ADAPT_EXTERNAL=off keeps to torch's varlen flash kernel. A graph depends on the number of sequences, the longest one and the total
 rows, not on where documents start or how long each is (those are runtime tensors: ragged offsets and
 sequence lengths), so a graph is built once per bucket (sequences and the longest rounded up to
 powers of two, empty sequences padding the count) and reused; building one costs ~0.1-0.5 s.
@@ -38,6 +38,9 @@ def why_not(q, k, v, segs_q, segs_kv, causal, dropout_p, window_size) -> str | N
     """None where this path serves the call, else why not (the caller takes the varlen flash path)."""
     if q.device.type != "cuda":
         return "not a CUDA tensor"
+    from megatron_adapt.backends.cuda import providers
+    if providers._mode() == "off":
+        return "MEGATRON_ADAPT_EXTERNAL=off: no other library's kernels"
     if not available():
         return "nvidia-cudnn-frontend is not installed"
     if torch.cuda.get_device_capability(q.device) < (9, 0):

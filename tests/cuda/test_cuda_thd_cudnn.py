@@ -11,6 +11,13 @@ from megatron_adapt.backends.cuda import attention as attn
 from megatron_adapt.backends.cuda import cudnn_thd
 
 
+@pytest.fixture(autouse=True)
+def _cudnn_frontend_allowed(monkeypatch):
+    """tests/cuda/conftest.py keeps other libraries' kernels out (MEGATRON_ADAPT_EXTERNAL=off);
+    here the cuDNN frontend's graphs are the path under test, as a user's default (auto) takes them."""
+    monkeypatch.setenv("MEGATRON_ADAPT_EXTERNAL", "auto")
+
+
 def test_ragged_offsets_lengths_and_buckets():
     """5 sequences with padding between them: 8 in the bucket (3 empty ones at the end), offsets in
     elements of q's and kv's rows, the longest (700) rounded up to 1024."""
@@ -105,3 +112,14 @@ def test_cudnn_ragged_small_cases(case):
         assert_close(a, b, torch.bfloat16, f"{case} {name}")
         assert (a.float() - b).abs().max() <= 0.0625, f"{case} {name}"
     assert ran_impl("attention_thd") == {"cuda.cudnn.ragged"}
+
+
+@needs_cudnn
+def test_external_off_keeps_to_the_varlen_flash_kernel(monkeypatch):
+    from megatron_adapt.backends.cuda import providers
+    monkeypatch.setattr(providers, "_mode", lambda: "off")
+    reset()
+    q = torch.randn(64, 4, 64, device=DEVICE, dtype=torch.bfloat16)
+    cu = thd_cases.cu([20, 44]).to(DEVICE)
+    attn.attention_thd(q, q, q, cu, cu, causal=True)
+    assert ran_impl("attention_thd") == {"cuda.flash.varlen"}
