@@ -60,7 +60,24 @@ def why_not(q, k, v, segs_q, segs_kv, causal, dropout_p, window_size) -> str | N
         return "q and kv sequences differ"
     if q.numel() > _INT32_MAX or k.numel() > _INT32_MAX:
         return "more than 2^31 elements: int32 ragged offsets"
+    return stats_too_padded(segs_q, q.size(0))
+
+
+def stats_too_padded(segs, rows: int) -> str | None:
+    """Why the padded softmax statistics of these sequences would be too large, or None."""
+    live = [length for _, length in segs if length]
+    if live and _pow2(len(live)) * bucket_len(max(live)) > STATS_ROWS_LIMIT * max(rows, 4096):
+        return (f"{len(live)} sequences up to {max(live)} tokens in {rows} rows: the softmax statistics "
+                f"kept for the backward would be padded to more than {STATS_ROWS_LIMIT}x the rows")
     return None
+
+
+# The backward's softmax statistics are a padded [sequences, heads, longest, 1] fp32 tensor (cuDNN
+# before 9.26 takes no ragged statistics there); flash keeps [heads, rows]. Past this many times the
+# rows (one long document among very many short ones) the varlen flash kernel serves instead. At 32x,
+# 16384 rows and 32 heads they are 67 MB a layer, against ~1 GB of the layer's activations; below
+# 4096 rows they are small whatever their padding.
+STATS_ROWS_LIMIT = 32
 
 
 def _pow2(n: int) -> int:

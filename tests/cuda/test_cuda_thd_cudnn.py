@@ -45,6 +45,22 @@ def test_what_it_does_not_serve_says_why():
     assert "window" in cudnn_thd.why_not(q, q, q, segs, segs, True, 0.0, (3, 0))
     assert "differ" in cudnn_thd.why_not(q, q, q, segs, [(0, 3)], True, 0.0, None)
     assert "dtype" in cudnn_thd.why_not(q.float(), q.float(), q.float(), segs, segs, True, 0.0, None)
+    big = torch.zeros(16384, 2, 8, dtype=torch.bfloat16, device=DEVICE)
+    skewed = [(0, 8192)] + [(8192 + 128 * i, 128) for i in range(64)]
+    assert "softmax statistics" in cudnn_thd.why_not(big, big, big, skewed, skewed, True, 0.0, None)
+
+
+def test_padded_statistics_bound():
+    """One long document among many short ones: the backward's padded statistics ([128, h, 8192])
+    would be 64x the rows, so the varlen flash kernel serves; the bench's 8 documents up to 6339
+    tokens in 16384 rows ([8, h, 8192]: 4x), 32 documents up to 4095 ([32, h, 4096]: 8x) and tiny
+    inputs stay on cuDNN."""
+    skewed = [(0, 8192)] + [(8192 + 128 * i, 128) for i in range(64)]
+    assert "padded to more than 32x the rows" in cudnn_thd.stats_too_padded(skewed, 16384)
+    assert cudnn_thd.stats_too_padded([(0, 4095)] + [(4095 + 390 * i, 390) for i in range(31)], 16384) is None
+    bench = [(0, 6339)] + [(6339 + 1000 * i, 1000) for i in range(7)]
+    assert cudnn_thd.stats_too_padded(bench, 16384) is None
+    assert cudnn_thd.stats_too_padded([(0, 0), (0, 5)], 5) is None
 
 
 needs_cudnn = pytest.mark.skipif(
