@@ -67,3 +67,21 @@ def grads(fn, q, k, v, seed=1):
     (out.float() * g).sum().backward()
     return [out.detach().float()] + [x.grad.float() if x.grad is not None else torch.zeros_like(x, dtype=torch.float)
                                      for x in xs]
+
+
+BENCH_LENGTHS = [700, 1, 1500, 333, 64, 900, 250, 348]
+
+
+def bench_shape(device, hkv=4, padded=False, causal=True):
+    """The GPU tests' bench-like case: 8 documents (one of length 1), 16 query heads over hkv, d128,
+    bf16; padded: 5 rows of padding after each document and 7 after the last slot.
+    -> q, k, v, the attention_thd keywords, cu_seqlens_padded (or None)."""
+    slots = [n + (5 if padded else 0) for n in BENCH_LENGTHS]
+    total = sum(slots) + (7 if padded else 0)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(total, 16, 128, generator=g).to(device, torch.bfloat16)
+    k, v = (torch.randn(total, hkv, 128, generator=g).to(device, torch.bfloat16) for _ in range(2))
+    c = cu(BENCH_LENGTHS).to(device)
+    c_p = cu(slots).to(device) if padded else None
+    kw = dict(cu_seqlens_q=c, cu_seqlens_kv=c, cu_seqlens_q_padded=c_p, cu_seqlens_kv_padded=c_p, causal=causal)
+    return q, k, v, kw, c_p

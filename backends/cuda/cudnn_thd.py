@@ -4,8 +4,8 @@ of cuDNN's dense rate on an H100 (docs/long-context.md); cuDNN's ragged graphs r
 kernel as its dense causal attention, doing only the within-document work.
 
 Built with the cuDNN frontend's Python graphs (`pip install nvidia-cudnn-frontend`, which loads the
-libcudnn that torch ships); MEGATRON_ADAPT_EXTERNAL=off keeps to torch's varlen flash kernel. A graph depends on the number of sequences, the longest one and the total
-rows, not on where documents start or how long each is (those are runtime tensors: ragged offsets and
+libcudnn that torch ships); MEGATRON_ADAPT_EXTERNAL=off keeps to torch's varlen flash kernel. A graph
+depends on the number of sequences, the longest one and the total rows, not on where documents start or how long each is (those are runtime tensors: ragged offsets and
 sequence lengths), so a graph is built once per bucket (sequences and the longest rounded up to
 powers of two, empty sequences padding the count) and reused; building one costs ~0.1-0.5 s.
 
@@ -177,8 +177,7 @@ def _layout(segs, total, heads_q, heads_kv, d, device):
     b, s = _pow2(n), bucket_len(max(length for _, length in segs))
     starts = [st for st, _ in segs] + [total] * (b - n)
     lengths = [length for _, length in segs] + [0] * (b - n)
-    ends = starts[1:] + [total]
-    rows = torch.tensor(starts + [ends[-1]], dtype=torch.int64)
+    rows = torch.tensor(starts + [total], dtype=torch.int64)
     host = torch.cat([rows * heads_q * d, rows * heads_kv * d, torch.tensor(lengths)]).to(torch.int32)
     dev = host.to(device, non_blocking=True).view(-1, 1, 1, 1)
     off_q, off_kv, seq_len = dev[:b + 1], dev[b + 1:2 * (b + 1)], dev[2 * (b + 1):]

@@ -43,15 +43,7 @@ def test_padded_batch_matches_block_diagonal_attention(case, dtype):
 def test_thd_at_bench_shape(padded):
     """8 documents (one of length 1), GQA 16/4 heads, d128, bf16, against one SDPA per document in fp32."""
     reset()
-    lengths = [700, 1, 1500, 333, 64, 900, 250, 348]
-    slots = [n + (5 if padded else 0) for n in lengths]
-    total = sum(slots) + (7 if padded else 0)
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(total, 16, 128, generator=g).to(DEVICE, torch.bfloat16)
-    k, v = (torch.randn(total, 4, 128, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
-    cu = thd_cases.cu(lengths).to(DEVICE)
-    cu_p = thd_cases.cu(slots).to(DEVICE) if padded else None
-    kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_p, cu_seqlens_kv_padded=cu_p, causal=True)
+    q, k, v, kw, _ = thd_cases.bench_shape(DEVICE, padded=padded)
     got = thd_cases.grads(lambda q, k, v: attn.attention_thd(q, k, v, **kw), q, k, v)
     from megatron_adapt.backends import reference
     want = thd_cases.grads(lambda q, k, v: reference.attention_thd(q, k, v, **kw), q.float(), k.float(), v.float())

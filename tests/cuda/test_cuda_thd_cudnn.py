@@ -75,15 +75,8 @@ def test_cudnn_ragged_at_bench_shape(padded, hkv, causal):
     """8 documents (one of length 1), 16 query heads, d128, bf16, padding between documents and
     after the last, against the fp32 reference, forward and backward."""
     reset()
-    lengths = [700, 1, 1500, 333, 64, 900, 250, 348]
-    slots = [n + (5 if padded else 0) for n in lengths]
-    total = sum(slots) + (7 if padded else 0)
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(total, 16, 128, generator=g).to(DEVICE, torch.bfloat16)
-    k, v = (torch.randn(total, hkv, 128, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
-    cu = thd_cases.cu(lengths).to(DEVICE)
-    cu_p = thd_cases.cu(slots).to(DEVICE) if padded else None
-    kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_p, cu_seqlens_kv_padded=cu_p, causal=causal)
+    q, k, v, kw, cu_p = thd_cases.bench_shape(DEVICE, hkv, padded, causal)
+    total, lengths = q.size(0), thd_cases.BENCH_LENGTHS
     got = thd_cases.grads(lambda q, k, v: attn.attention_thd(q, k, v, **kw), q, k, v)
     want = thd_cases.grads(lambda q, k, v: reference.attention_thd(q, k, v, **kw), q.float(), k.float(), v.float())
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
