@@ -219,9 +219,10 @@ def graph_plan(args, backend_name: str) -> str | None:
         why = _moe_why_not(args)
         if why:
             return why
-    if getattr(args, "fp8", None):
-        return ("--fp8-format: Megatron's local CUDA graphs handle fp8 through Transformer Engine's "
-                "FP8GlobalStateManager, which is absent (docs/fp8.md)")
+    if getattr(args, "fp8", None) and str(getattr(args, "fp8_recipe", "delayed")).endswith("delayed") \
+            and int(getattr(args, "fp8_interval", 1) or 1) > 1:
+        return ("--fp8-interval > 1: a captured layer replays its delayed-scaling update every step "
+                "(docs/fp8.md)")
     if getattr(args, "cpu_offloading", False) or getattr(args, "cpu_offloading_num_layers", 0):
         return "--cpu-offloading moves activations to the host inside the layer"
     if getattr(args, "recompute_granularity", None) == "full":

@@ -10,8 +10,7 @@ in bf16 and say nothing. This area makes that impossible:
   a CUDA GPU before sm89) refuses `--fp8-format` naming the flag, the backend and that reason;
   `--fp4-format` is refused on every backend; so are the fp8 features no linear here serves
   (`--fp8-recipe blockwise|mxfp8|custom`, `--fp8-param-gather`, fp8 attention, fp8 MoE experts,
-  `--transformer-impl local`,
-  `--cuda-graph-impl local` (its fp8 handling is TE's FP8GlobalStateManager) and
+  `--transformer-impl local`, `--fp8-interval N` under CUDA graphs and
   `--recompute-granularity full` (Megatron recomputes fp8 layers with TE's checkpoint).
 * The context. `megatron.core.fp8_utils:get_fp8_context` is replaced: Megatron's own callers
   (the transformer block per layer, or once around the block for `delayed`) keep deciding where
@@ -27,6 +26,13 @@ in bf16 and say nothing. This area makes that impossible:
   provider builds Megatron's own classes, unchanged but for a load hook that says once that an fp8
   checkpoint's scaling state is ignored; an fp8 linear loading a checkpoint saved without fp8 says
   once that it starts with fresh scaling state.
+* CUDA graphs. Megatron's local CUDA graphs (`--cuda-graph-impl local`) ask Transformer Engine's
+  FP8GlobalStateManager, save_fp8_tensors and restore_fp8_tensors about fp8; without TE those names
+  are absent. They are served in `megatron.core.transformer.cuda_graphs` (created, removed by
+  revert): the recipe is the innermost fp8 context's, the delayed-scaling state of every fp8 linear
+  in a layer is saved before Megatron's warm-up runs and restored after the capture, and the
+  capture runs inside the layer's fp8 context. The fp8 linears' work is all on the GPU (cast,
+  amax, scale, delayed update), so a replay repeats it.
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ import torch
 
 from megatron_adapt import report, start_checks
 from megatron_adapt.errors import UnsupportedFeatureError
-from megatron_adapt.spec import PatchSpec, SkipPatch
+from megatron_adapt.spec import WRAP, PatchSpec, SkipPatch
 
 RECIPES_SERVED = ("tensorwise", "delayed")
 _FIX = "Train without it (--bf16), or on the cuda backend on an sm89+ (Ada, Hopper) GPU."
@@ -80,10 +86,12 @@ def fp8_refusal(backend, settings: dict) -> str | None:
     if settings.get("num_experts"):
         return (f"{flag} --num-experts: {where} has no fp8 grouped GEMM for the MoE experts yet "
                 f"(dense linears only). Train the MoE model without --fp8-format.")
-    if settings.get("cuda_graph_impl") == "local" or settings.get("enable_cuda_graph"):
-        return (f"{flag} --cuda-graph-impl local: Megatron's local CUDA graphs handle fp8 through "
-                f"Transformer Engine's FP8GlobalStateManager (they fail without TE), so fp8 layers are "
-                f"not captured here yet. Run fp8 eagerly (no --cuda-graph-impl) or bf16 with graphs.")
+    graphs = settings.get("cuda_graph_impl") == "local" or settings.get("enable_cuda_graph")
+    if graphs and recipe == "delayed" and int(settings.get("fp8_interval") or 1) > 1:
+        return (f"{flag} --fp8-recipe delayed --fp8-interval {settings['fp8_interval']} "
+                f"--cuda-graph-impl local: a captured layer replays the same scale update every step; "
+                f"recomputing the scale only every N-th step is a host-side count a CUDA graph cannot "
+                f"keep. Drop --fp8-interval (deprecated in Megatron) or the graphs.")
     if settings.get("recompute_granularity") == "full":
         return (f"{flag} --recompute-granularity full: Megatron recomputes fp8 layers through "
                 f"Transformer Engine's checkpoint (te_checkpoint), absent here. Use "
@@ -111,6 +119,7 @@ def _config_check(backend, c) -> str | None:
                 "fp8_multi_head_attention": getattr(c, "fp8_multi_head_attention", False),
                 "num_experts": getattr(c, "num_moe_experts", None),
                 "cuda_graph_impl": getattr(c, "cuda_graph_impl", None),
+                "fp8_interval": getattr(c, "fp8_interval", 1),
                 "recompute_granularity": getattr(c, "recompute_granularity", None),
                 "enable_cuda_graph": getattr(c, "enable_cuda_graph", False)}
     return fp8_refusal(backend, settings)
@@ -327,6 +336,87 @@ def fp8_variant(base, backend):
     return Fp8Linear
 
 
+# ---------------------------------------------------------------- fp8 in Megatron's local CUDA graphs
+class Fp8GraphState:
+    """The part of TE's FP8GlobalStateManager that Megatron's cuda_graphs.py calls, answered for
+    megatron-adapt's fp8 linears. The recipe is never TE's DelayedScaling (`te` below), so Megatron's
+    per-TE-module amax bookkeeping and its reduce-and-update after a backward replay never run: each
+    fp8 linear's delayed update is inside the captured forward and backward."""
+
+    @staticmethod
+    def get_fp8_recipe():
+        return active_recipe()
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return active_recipe() is not None
+
+    @staticmethod
+    def set_skip_fp8_weight_update_tensor(skip) -> None:
+        """TE skips re-casting cached fp8 weights after a step's first micro-batch; these linears
+        keep no fp8 weight cache (every GEMM casts its weight), so there is nothing to skip."""
+
+    @staticmethod
+    def is_first_fp8_module() -> bool:   # megatron-core 0.15 asks before that skip
+        return False
+
+
+class _NotTransformerEngine:
+    """Stands for TE's classes in Megatron's isinstance checks: nothing here is one."""
+
+
+te = type("te", (), {"common": type("common", (), {"recipe": type("recipe", (), {
+    "DelayedScaling": _NotTransformerEngine})})})
+
+
+def _scalings(modules):
+    return [m.fp8_scaling for module in modules for m in module.modules() if hasattr(m, "fp8_scaling")]
+
+
+def save_fp8_tensors(modules, recipe=None):
+    """TE's save_fp8_tensors for megatron-adapt's fp8 linears: a copy of each linear's delayed-scaling
+    state, taken before Megatron's warm-up runs of a layer it is about to capture."""
+    return [({d: s.amax_history[d].clone() for d in s.amax_history}, {d: s.scale[d].clone() for d in s.scale},
+             dict(s.updates)) for s in _scalings(modules)]
+
+
+def restore_fp8_tensors(modules, saved) -> None:
+    """Put the state back in place (the captured graph holds these tensors' addresses)."""
+    for s, (history, scale, updates) in zip(_scalings(modules), saved, strict=True):
+        for d in history:
+            s.amax_history[d].copy_(history[d])
+            s.scale[d].copy_(scale[d])
+        s.updates.update(updates)
+
+
+def _served_without_te(name, obj):
+    def build(backend, original):
+        if start_checks.te_installed():
+            raise SkipPatch(f"Transformer Engine is installed: its {name} serves Megatron's CUDA graphs")
+        return obj
+    return build
+
+
+def build_quantization_context(backend, original):
+    if start_checks.te_installed():
+        raise SkipPatch("Transformer Engine is installed: Megatron asks its FP8GlobalStateManager")
+
+    def get_quantization_context(wrapped, instance, args, kwargs):
+        """Megatron marks a runner's fp8 as on only where TE says so (at recording); without TE the
+        capture would run outside fp8. A runner of an fp8 layer captures inside Megatron's fp8
+        context for that layer (bf16 for --first-last-layers-bf16 layers, as get_fp8_context says)."""
+        if instance.fp8_enabled and not getattr(instance, "fp4_enabled", False):
+            instance.fp8_runtime_enabled = True
+        return wrapped(*args, **kwargs)
+    return get_quantization_context
+
+
+GRAPHS = "megatron.core.transformer.cuda_graphs"
 SPECS = [
     PatchSpec("megatron.core.fp8_utils:get_fp8_context", area="fp8", build=build_get_fp8_context),
-]
+    PatchSpec(f"{GRAPHS}:_CudaGraphRunner.get_quantization_context", area="fp8", mode=WRAP,
+              build=build_quantization_context),
+] + [PatchSpec(f"{GRAPHS}:{name}", area="fp8", build=_served_without_te(name, obj), create=True)
+     for name, obj in (("FP8GlobalStateManager", Fp8GraphState), ("save_fp8_tensors", save_fp8_tensors),
+                       ("restore_fp8_tensors", restore_fp8_tensors), ("te", te),
+                       ("TransformerEngineBaseModule", _NotTransformerEngine))]

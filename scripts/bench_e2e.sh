@@ -12,16 +12,17 @@
 #               that scope unless its per-micro-batch NaN/Inf loss check (a host sync) is off.
 #   (e) stock_full_graph (not in the default RUNS): (a) with the same three flags.
 #   (f) adapt_fp8 (not in the default RUNS): (b) plus --fp8-format $FP8_FORMAT --fp8-recipe
-#               $FP8_RECIPE (fp8 linears without TE, docs/fp8.md). No graphs variant: Megatron's
-#               local CUDA graphs need TE for fp8 (megatron-adapt refuses the pair at start). No stock
-#               fp8 run: stock Megatron without TE ignores the fp8 flags (a silent bf16 run).
+#               $FP8_RECIPE (fp8 linears without TE, docs/fp8.md). No stock fp8 run: stock Megatron
+#               without TE ignores the fp8 flags (a silent bf16 run).
+#   (g) adapt_fp8_graphs (not in the default RUNS): (f) plus --cuda-graph-impl local.
 # Per run also: the GPU's busy fraction (nvidia-smi dmon SM %, median over the steady samples) and
 # the host's CPU model (lscpu), since a step that waits on the host shows there.
 # Model (PRESET, default llama-0.95b): 0.95B llama-like (16 layers, hidden 2048, ffn 5632, 16 heads, seq 2048, micro-batch 4, global
 # batch 16, vocab 32000, bf16, RMSNorm, SwiGLU, RoPE, untied embeddings); small presets for the
 # host-bound regime: llama-350m / llama-125m (24 x 1024 / 12 x 768, seq 1024, micro-batch 8, global
 # batch 32, the same llama choices) and gpt2-350m / gpt2-125m (the same sizes GPT-2 style: LayerNorm,
-# GeLU, biases, learned positions, tied embeddings, vocab 50257). Prints ms/iteration
+# GeLU, biases, learned positions, tied embeddings, vocab 50257); llama-3b (24 x 3072, ffn 8192, 24 heads,
+# seq 2048, micro-batch 2, global batch 16; 2.9B parameters) for the GEMM-bound regime. Prints ms/iteration
 # (median of iterations WARMUP+1..ITERS), TFLOP/s per GPU (Megatron's --log-throughput count), MFU
 # against PEAK_TFLOPS, peak memory (the largest of Megatron's max allocated / max reserved reports, and
 # nvidia-smi's peak used) and both loss curves with their largest difference.
@@ -56,6 +57,9 @@ case $PRESET in  # model shapes; every preset keeps Megatron's default dropout u
     llama-0.95b) MODEL=(--num-layers 16 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16
                         --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 4
                         --global-batch-size 16 "${LLAMA[@]}") ;;
+    llama-3b)    MODEL=(--num-layers 24 --hidden-size 3072 --ffn-hidden-size 8192 --num-attention-heads 24
+                        --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 2
+                        --global-batch-size 16 "${LLAMA[@]}") ;;
     llama-350m)  MODEL=(--num-layers 24 --hidden-size 1024 --ffn-hidden-size 2816 --num-attention-heads 16
                         --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8
                         --global-batch-size 32 "${LLAMA[@]}") ;;
@@ -68,7 +72,7 @@ case $PRESET in  # model shapes; every preset keeps Megatron's default dropout u
     gpt2-125m)   MODEL=(--num-layers 12 --hidden-size 768 --num-attention-heads 12
                         --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8
                         --global-batch-size 32 "${GPT2[@]}") ;;
-    *) echo "unknown PRESET $PRESET (llama-0.95b llama-350m llama-125m gpt2-350m gpt2-125m)" >&2; exit 2 ;;
+    *) echo "unknown PRESET $PRESET (llama-0.95b llama-3b llama-350m llama-125m gpt2-350m gpt2-125m)" >&2; exit 2 ;;
 esac
 MODEL+=("${COMMON[@]}")
 echo "$PRESET" > "$OUTDIR/preset.txt"
@@ -123,6 +127,10 @@ for run in $RUNS; do
         adapt_fp8)
                 peak_smi "$OUTDIR/adapt_fp8.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_fp8_report.json" \
                     "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" "${FP8[@]}" ;;
+        adapt_fp8_graphs)
+                peak_smi "$OUTDIR/adapt_fp8_graphs.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_fp8_graphs_report.json" \
+                    "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" "${FP8[@]}" \
+                    --cuda-graph-impl local ;;
         stock_full_graph)
                 build_dataset_helpers
                 peak_smi "$OUTDIR/stock_full_graph.log" env MEGATRON_ADAPT_DISABLE=all \

@@ -128,6 +128,7 @@ def train():
     before = calls()
     step(m, tokens, pos, labels, False)
     out["first_last_bf16_calls"] = calls() - before
+    graphs(m, tokens, pos, labels)
     # the delayed state travels in _extra_state
     m, _ = model(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4)
     step(m, tokens, pos, labels, False)
@@ -144,6 +145,49 @@ def train():
     plain, _ = model()
     out["plain_loads_fp8_checkpoint"] = str(plain.load_state_dict(sd, strict=True))
     out["report_impls"] = sorted(report.op_counts().get("fp8_linear", {}))
+
+
+def graphs(first_last_bf16, tokens, pos, labels):
+    """What Megatron's local CUDA graphs ask TE's FP8GlobalStateManager, save_fp8_tensors and
+    restore_fp8_tensors, and the context a runner captures in, as its code calls them."""
+    import types
+
+    from megatron.core.transformer import cuda_graphs as cg
+
+    from megatron_adapt.patches.fp8 import active_recipe
+
+    m, config = model(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4)
+    step(m, tokens, pos, labels, False)
+    layer = m.decoder.layers[1]
+    s = layer.mlp.linear_fc1.fp8_scaling
+    before = {d: (s.amax_history[d].clone(), s.scale[d].clone()) for d in ("fwd", "bwd")}
+    saved = cg.save_fp8_tensors([layer], config.fp8_amax_history_len)
+    step(m, tokens, pos, labels, False)          # Megatron's warm-up runs move the state on
+    moved = any(not torch.equal(s.amax_history[d], before[d][0]) for d in before)
+    addresses = [s.amax_history["fwd"].data_ptr(), s.scale["fwd"].data_ptr()]
+    cg.restore_fp8_tensors([layer], saved)
+    seen = {}
+
+    def runner(module):
+        return types.SimpleNamespace(fp8_enabled=True, fp4_enabled=False, fp8_runtime_enabled=None,
+                                     base_module=module)
+
+    for name, module in (("fp8_layer", layer), ("bf16_first_layer", first_last_bf16.decoder.layers[0]),
+                         ("fp8_middle_layer", first_last_bf16.decoder.layers[1])):
+        r = runner(module)
+        with cg._CudaGraphRunner.get_quantization_context.__get__(r, cg._CudaGraphRunner)():
+            recipe = active_recipe()
+            seen[name] = {"recipe": None if recipe is None else recipe.recipe,
+                          "manager": cg.FP8GlobalStateManager.get_fp8_recipe() is recipe,
+                          "enabled": cg.FP8GlobalStateManager.is_fp8_enabled(),
+                          "te_delayed": isinstance(recipe, cg.te.common.recipe.DelayedScaling),
+                          "runtime_enabled": r.fp8_runtime_enabled}
+    out["graphs"] = {
+        "moved_then_restored": moved and all(torch.equal(s.amax_history[d], before[d][0]) and
+                                             torch.equal(s.scale[d], before[d][1]) for d in before),
+        "same_addresses": addresses == [s.amax_history["fwd"].data_ptr(), s.scale["fwd"].data_ptr()],
+        "contexts": seen, "outside": active_recipe() is None and not cg.FP8GlobalStateManager.is_fp8_enabled(),
+    }
 
 
 {"refusal": refusal, "train": train}[scenario]()

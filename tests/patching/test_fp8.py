@@ -52,6 +52,19 @@ class TestFp8ThroughMegatron:
         assert res["plain_loads_fp8_checkpoint"] == "<All keys matched successfully>"
         assert res["report_impls"] == ["cpu.scaled_mm(hybrid, delayed)", "cpu.scaled_mm(hybrid, tensorwise)"]
 
+    def test_the_names_megatrons_cuda_graphs_ask_te_for(self):
+        """--cuda-graph-impl local with fp8: a runner captures inside its layer's fp8 context (bf16 for
+        a --first-last-layers-bf16 layer), and the delayed state Megatron's warm-up moves on is put
+        back in place (the graph keeps the tensors' addresses). The capture itself needs a GPU:
+        tests/cuda/test_cuda_graphs.py."""
+        g = worker("train")["graphs"]
+        assert g["moved_then_restored"] and g["same_addresses"] and g["outside"], g
+        on = {"recipe": "delayed", "manager": True, "enabled": True, "te_delayed": False, "runtime_enabled": True}
+        assert g["contexts"]["fp8_layer"] == on, g
+        assert g["contexts"]["fp8_middle_layer"] == {**on, "recipe": "tensorwise"}, g
+        assert g["contexts"]["bf16_first_layer"] == {"recipe": None, "manager": True, "enabled": False,
+                                                     "te_delayed": False, "runtime_enabled": True}, g
+
 
 @pytest.mark.parametrize("settings,expected", [
     ({"fp8": "hybrid", "fp8_recipe": "blockwise"}, "--fp8-format hybrid --fp8-recipe blockwise: the cuda backend serves the tensorwise and delayed recipes only"),
@@ -61,7 +74,10 @@ class TestFp8ThroughMegatron:
     ({"fp8": "hybrid", "fp8_recipe": "delayed", "transformer_impl": "local"}, "--transformer-impl local"),
     ({"fp8": "hybrid", "fp8_recipe": "tensorwise", "fp8_dot_product_attention": True}, "--fp8-dot-product-attention"),
     ({"fp4": "e2m1"}, "--fp4-format e2m1: the cuda backend cannot run it"),
-    ({"fp8": "hybrid", "fp8_recipe": "tensorwise", "cuda_graph_impl": "local"}, "--cuda-graph-impl local: Megatron's local CUDA graphs handle fp8 through Transformer Engine's FP8GlobalStateManager"),
+    ({"fp8": "hybrid", "fp8_recipe": "tensorwise", "cuda_graph_impl": "local"}, None),
+    ({"fp8": "hybrid", "fp8_recipe": "delayed", "cuda_graph_impl": "local", "fp8_interval": 1}, None),
+    ({"fp8": "hybrid", "fp8_recipe": "delayed", "cuda_graph_impl": "local", "fp8_interval": 2}, "--fp8-interval 2 --cuda-graph-impl local: a captured layer replays the same scale update every step"),
+    ({"fp8": "hybrid", "fp8_recipe": "delayed", "fp8_interval": 2}, None),
     ({"fp8": "hybrid", "fp8_recipe": "tensorwise", "cuda_graph_impl": "none"}, None),
     ({"fp8": "hybrid", "fp8_recipe": "delayed", "recompute_granularity": "full"}, "--recompute-granularity full"),
     ({"fp8": "hybrid", "fp8_recipe": "delayed", "recompute_granularity": "selective"}, None),
