@@ -103,7 +103,9 @@ PARSE = textwrap.dedent("""
             ops = report.as_dict()["ops"]
             out["fallbacks"] = [o["fallback_reason"] for o in ops if o["fallback_reason"]]
             out["switch"] = [o["implementation"] for o in ops if o["op"] == "cuda_graphs.switch"]
-            if ns.cuda_graph_impl == "local":          # Megatron's own checks of what the switch chose
+            # Megatron's own checks of what the switch chose (not for fp8: this process runs the
+            # cpu backend, whose config check refuses fp8; tests/cuda/test_cuda_graphs.py runs it)
+            if ns.cuda_graph_impl == "local" and "--fp8-format" not in argv:
                 arguments.validate_args(ns, {{}})
                 config = arguments.core_transformer_config_from_args(ns)
                 scopes = getattr(config, "cuda_graph_modules", getattr(config, "cuda_graph_scope", None))
@@ -147,11 +149,15 @@ def parse_cases(python, cases, mode="local", strict=False):
     return proc, outs
 
 
+FP8 = ["--fp8-format", "hybrid", "--fp8-recipe"]
+
 ACCEPTED = [
     (TINY, "whole layers"),
     (TINY + MOE + ALLTOALL + PADDED, "whole layers, MoE capacity-padded"),
 ]
 REFUSED = [
+    (TINY + FP8 + ["delayed", "--fp8-interval", "2"],
+     "--fp8-interval > 1: a captured layer replays its delayed-scaling update every step"),
     (TINY + MOE + ALLTOALL, "dropless MoE (--num-experts without a capacity factor): the alltoall dispatcher "
                             "copies every layer's per-expert token counts to the host"),
     (TINY + MOE + ALLTOALL + ["--moe-expert-capacity-factor", "1.0"],
@@ -177,7 +183,8 @@ def test_real_parser_decisions(python):
     refusal names what would capture. A launch's own --cuda-graph-impl is kept even for dropless
     MoE (the user's call, checked by Megatron alone)."""
     own_flag = TINY + MOE + ALLTOALL + ["--cuda-graph-impl", "local"]
-    cases = [argv for argv, _ in ACCEPTED + REFUSED] + [own_flag]
+    fp8 = TINY + FP8 + ["tensorwise"]          # fp8 linears capture too (docs/fp8.md)
+    cases = [argv for argv, _ in ACCEPTED + REFUSED] + [own_flag, fp8]
     proc, outs = parse_cases(python, cases)
     assert proc.returncode == 0 and len(outs) == len(cases), proc.stdout[-3000:] + proc.stderr[-3000:]
     for (argv, scope), out in zip(ACCEPTED, outs):
@@ -196,8 +203,10 @@ def test_real_parser_decisions(python):
         assert f"MEGATRON_ADAPT_CUDA_GRAPHS=local: running eager: {reason}" in out["stderr"]
         if "--num-experts" in argv:
             assert TO_PAD in out["fallbacks"][0], out["fallbacks"][0]
-    own = outs[-1]
+    own = outs[-2]
     assert own["impl"] == "local" and own["switch"] == ["--cuda-graph-impl local (the launch's own flag kept)"], own
+    assert outs[-1]["impl"] == "local" and outs[-1]["fallbacks"] == [], outs[-1]
+    assert outs[-1]["switch"] == ["--cuda-graph-impl local (MEGATRON_ADAPT_CUDA_GRAPHS=local): whole layers"], outs[-1]
 
 
 @real_parser
