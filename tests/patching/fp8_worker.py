@@ -169,8 +169,11 @@ def graphs(first_last_bf16, tokens, pos, labels):
     seen = {}
 
     def runner(module):
-        return types.SimpleNamespace(fp8_enabled=True, fp4_enabled=False, fp8_runtime_enabled=None,
-                                     base_module=module)
+        r = types.SimpleNamespace(fp8_enabled=True, fp4_enabled=False, fp8_runtime_enabled=None,
+                                  base_module=module)
+        if hasattr(cg._CudaGraphRunner, "get_fp8_context"):   # megatron-core 0.15 asks this method
+            r.get_fp8_context = types.MethodType(cg._CudaGraphRunner.get_fp8_context, r)
+        return r
 
     for name, module in (("fp8_layer", layer), ("bf16_first_layer", first_last_bf16.decoder.layers[0]),
                          ("fp8_middle_layer", first_last_bf16.decoder.layers[1])):
