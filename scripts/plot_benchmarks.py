@@ -42,6 +42,7 @@ PLOTS = (
     "host_cost_ratio.png",
     "megatron_unit_tests.png",
     "loss_095b_fp8_vs_bf16.png",
+    "loss_095b_fp8_vs_bf16_graphs.png",
 )
 
 # Run names as the JSON files have them -> legend label and colour.
@@ -356,9 +357,11 @@ def unit_test_chart(results, path):
     plt.close(fig)
 
 
-def fp8_loss_chart(results, path):
-    """fp8_parity_h100.json, as scripts/fp8_loss_parity.py wrote it: bf16's losses and each fp8 recipe's."""
-    d = load(results, "fp8_parity_h100.json")
+def fp8_loss_chart(results, name, title, path, key=None):
+    """A parity JSON as scripts/fp8_loss_parity.py wrote it (under `key` where the file wraps it):
+    bf16's losses and each fp8 recipe's."""
+    d = load(results, name)
+    d = d[key] if key else d
     fig, ax = plt.subplots(figsize=(9, 4.5))
     xs = sorted(int(k) for k in d["bf16"])
     ax.plot(xs, [float(d["bf16"][str(i)]) for i in xs], label="bf16", lw=1.5, color="#1f77b4")
@@ -371,8 +374,7 @@ def fp8_loss_chart(results, path):
     ax.set_ylabel("lm loss")
     ax.set_yscale("log")
     ax.legend(fontsize=8)
-    ax.set_title("0.95B GPT, fp8 vs bf16, same data and initial weights: fp8_parity_h100.json\n"
-                 "(2026-11-25, H100 80GB HBM3, 32-vCPU host, core_v0.16.1; scripts/fp8_loss_parity.py)", fontsize=9)
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -414,7 +416,14 @@ def main(argv=None):
     moe_loss_chart(res, out("loss_moe.png"))
     host_cost_chart(res, out("host_cost_ratio.png"))
     unit_test_chart(res, out("megatron_unit_tests.png"))
-    fp8_loss_chart(res, out("loss_095b_fp8_vs_bf16.png"))
+    fp8_loss_chart(res, "fp8_parity_h100.json",
+                   "0.95B GPT, fp8 vs bf16, same data and initial weights: fp8_parity_h100.json\n"
+                   "(2026-11-25, H100 80GB HBM3, 32-vCPU host, core_v0.16.1; scripts/fp8_loss_parity.py)",
+                   out("loss_095b_fp8_vs_bf16.png"))
+    fp8_loss_chart(res, "fp8_graphs_parity_h200.json",
+                   "0.95B GPT, fp8 vs bf16, both inside Megatron's CUDA graphs: fp8_graphs_parity_h200.json\n"
+                   "(2026-11-26, H200, 16-vCPU host, core_v0.16.1; scripts/fp8_loss_parity.py)",
+                   out("loss_095b_fp8_vs_bf16_graphs.png"), key="parity")
     for name in PLOTS:
         print(out(name))
 
