@@ -16,6 +16,10 @@ Recipes (a tensor x is cast as `saturate(x * scale)` and the GEMM multiplies by 
   (otherwise the scale is kept; an infinite one becomes the largest fp32). `interval` > 1
   recomputes the scale every `interval`-th update only (the history rolls every update).
 
+- `blockwise` (TE's Float8BlockScaling, DeepSeek-V3's): current scaling per block, a scale for
+  every 1 x 128 run of an activation or gradient along the GEMM's reduction dimension and for every
+  128 x 128 block of a weight. No state between calls.
+
 Slots: forward 0 = input, 1 = weight; backward 0 = output gradient.
 """
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 FORMATS = ("e4m3", "hybrid")
-RECIPES = ("tensorwise", "delayed")
+RECIPES = ("tensorwise", "delayed", "blockwise")
 _FP32_MAX = torch.finfo(torch.float32).max
 
 

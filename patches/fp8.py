@@ -9,7 +9,7 @@ in bf16 and say nothing. This area makes that impossible:
   fp4 settings against the backend: a backend whose `fp8_unavailable` op gives a reason (cpu, npu,
   a CUDA GPU before sm89) refuses `--fp8-format` naming the flag, the backend and that reason;
   `--fp4-format` is refused on every backend; so are the fp8 features no linear here serves
-  (`--fp8-recipe blockwise|mxfp8|custom`, `--fp8-param-gather`, fp8 attention, fp8 MoE experts,
+  (`--fp8-recipe mxfp8|custom`, blockwise off Hopper, `--fp8-param-gather`, fp8 attention, fp8 MoE experts,
   `--transformer-impl local`, `--fp8-interval N` under CUDA graphs and
   `--recompute-granularity full` (Megatron recomputes fp8 layers with TE's checkpoint).
 * The context. `megatron.core.fp8_utils:get_fp8_context` is replaced: Megatron's own callers
@@ -46,7 +46,7 @@ from megatron_adapt import report, start_checks
 from megatron_adapt.errors import UnsupportedFeatureError
 from megatron_adapt.spec import WRAP, PatchSpec, SkipPatch
 
-RECIPES_SERVED = ("tensorwise", "delayed")
+RECIPES_SERVED = ("tensorwise", "delayed", "blockwise")
 _FIX = "Train without it (--bf16), or on the cuda backend on an sm89+ (Ada, Hopper) GPU."
 
 
@@ -67,14 +67,19 @@ def fp8_refusal(backend, settings: dict) -> str | None:
     if not fp8:
         return None
     flag = f"--fp8-format {fp8}"
+    recipe = _value(settings.get("fp8_recipe") or "delayed")
     why = backend.op("fp8_unavailable")()
     if why is not None:
         return f"{flag}: {where} cannot run it: {why}. {_FIX}"
-    recipe = _value(settings.get("fp8_recipe") or "delayed")
     if recipe not in RECIPES_SERVED:
-        return (f"{flag} --fp8-recipe {recipe}: {where} serves the tensorwise and delayed recipes "
-                f"only ({recipe} scaling needs Transformer Engine's block-scaled GEMMs, not wired here). "
-                f"Use --fp8-recipe tensorwise or delayed.")
+        return (f"{flag} --fp8-recipe {recipe}: {where} serves the tensorwise, delayed and blockwise "
+                f"recipes only ({'mxfp8 needs the MX block-scaled GEMMs of sm100 (Blackwell)' if recipe == 'mxfp8' else 'a custom recipe is a Transformer Engine quantizer factory'}). "
+                f"Use --fp8-recipe tensorwise, delayed or blockwise.")
+    if recipe == "blockwise":
+        why = backend.op("fp8_unavailable")(recipe)
+        if why is not None:
+            return (f"{flag} --fp8-recipe blockwise: {where} cannot run it: {why}. "
+                    f"Use --fp8-recipe tensorwise or delayed.")
     if settings.get("fp8_param_gather"):
         return (f"{flag} --fp8-param-gather: {where} keeps parameters in bf16 and casts them to fp8 "
                 f"per GEMM; fp8 parameters and their all-gather are Transformer Engine's. "

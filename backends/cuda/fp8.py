@@ -34,8 +34,8 @@ except ImportError:  # pragma: no cover - the cuda backend needs Triton for its 
 ALIGN = 16   # cuBLASLt fp8: every GEMM dimension a multiple of 16
 
 
-def fp8_unavailable() -> str | None:
-    """None if this process's CUDA device runs fp8 GEMMs, else why not."""
+def fp8_unavailable(recipe: str = "tensorwise") -> str | None:
+    """None if this process's CUDA device runs fp8 GEMMs for `recipe`, else why not."""
     if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
         return f"torch {torch.__version__} has no torch._scaled_mm / float8 dtypes"
     if not torch.cuda.is_available():
@@ -44,6 +44,12 @@ def fp8_unavailable() -> str | None:
     if (major, minor) < (8, 9):
         return (f"{torch.cuda.get_device_name()} is sm{major}{minor}; fp8 GEMMs (cuBLASLt through "
                 f"torch._scaled_mm) need sm89 (Ada) or sm90 (Hopper) and newer")
+    if recipe == "blockwise":
+        cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+        if (major, minor) != (9, 0) or cuda < (12, 9):
+            return (f"{torch.cuda.get_device_name()} (sm{major}{minor}), CUDA {torch.version.cuda}: the "
+                    f"1x128 / 128x128 block-scaled fp8 GEMMs (cuBLASLt through torch._scaled_mm) are "
+                    f"served on Hopper (sm90) with CUDA 12.9 or newer only (the GPUs they were checked on)")
     return None
 
 
@@ -171,13 +177,104 @@ class _Fp8Linear(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
-def unsupported_shape(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    """Why cuBLASLt's fp8 GEMM cannot take these operands, or None."""
+# ---------------------------------------------------------------- blockwise (TE's Float8BlockScaling)
+BLOCK = 128
+
+
+def quantize_runs(x: torch.Tensor, dtype: torch.dtype):
+    """x [R, C] -> (x8 [R, C], scale_inv [R, C / 128] fp32): one current scale per 1 x 128 run along
+    C. The scales are laid out R-contiguous, as cuBLASLt reads 1 x 128 scales."""
+    r, c = x.shape
+    t = x.float().view(r, c // BLOCK, BLOCK)
+    scale = current_scale(t.abs().amax(-1), FP8_MAX[dtype])
+    x8 = (t * scale[..., None]).clamp_(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype).view(r, c)
+    return x8, scale.reciprocal().t().contiguous().t()
+
+
+def quantize_blocks(w: torch.Tensor, dtype: torch.dtype):
+    """w [R, C] -> (w8 [R, C], scale_inv [R / 128, C / 128] fp32): one current scale per 128 x 128 block."""
+    r, c = w.shape
+    t = w.float().view(r // BLOCK, BLOCK, c // BLOCK, BLOCK)
+    scale = current_scale(t.abs().amax(dim=(1, 3)), FP8_MAX[dtype])
+    w8 = (t * scale[:, None, :, None]).clamp_(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype).view(r, c)
+    return w8, scale.reciprocal()
+
+
+def _dequant(q, s):
+    """An operand with its scale_inv back in fp32 (1 x 128 runs or 128 x 128 blocks, from s's shape)."""
+    r, c = q.shape
+    if s.shape == (r, c // BLOCK):
+        return (q.float().view(r, c // BLOCK, BLOCK) * s[..., None]).view(r, c)
+    return (q.float().view(r // BLOCK, BLOCK, c // BLOCK, BLOCK) * s[:, None, :, None]).view(r, c)
+
+
+def _block_gemm(a, sa, b_rows, sb_rows, out_dtype):
+    """a [M, K] @ b_rows[N, K]^T with block scales along K (sa [M, K/128]; sb_rows [N, K/128] for
+    1 x 128 runs or [N/128, K/128] for 128 x 128 blocks). cuBLASLt on a GPU (no fast accumulation:
+    it does not take it with block scales); on CPU tensors the same product from the dequantized
+    operands (torch's CPU _scaled_mm has no block scales)."""
+    if a.is_cuda:
+        # scale_b for b = b_rows^T [K, N]: blocks [K/128, N/128] with K contiguous, runs [K/128, N]
+        # with N contiguous (the layouts cuBLASLt reads; scripts/fp8_blockwise_probe.py)
+        blocks = sb_rows.shape[0] != b_rows.shape[0]
+        sb = sb_rows.contiguous().t() if blocks else sb_rows.t().contiguous()
+        return torch._scaled_mm(a, b_rows.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=False)
+    return (_dequant(a, sa) @ _dequant(b_rows, sb_rows).t()).to(out_dtype)
+
+
+class _Fp8BlockLinear(torch.autograd.Function):
+    """The three GEMMs with block scales along each one's reduction: forward x (1 x 128 along in) by
+    W (128 x 128); dgrad dy (1 x 128 along out) by W^T (the same blocks); wgrad dy^T by x^T, both
+    1 x 128 along the tokens."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, scaling, wgrad_sink):
+        r = scaling.recipe
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        x8, sx = quantize_runs(x2, r.fwd_dtype)
+        w8, sw = quantize_blocks(weight, r.fwd_dtype)
+        y = _block_gemm(x8, sx, w8, sw, x.dtype)
+        if bias is not None:
+            y = y + bias
+        need_wgrad = ctx.needs_input_grad[1]
+        fp8_wgrad = need_wgrad and r.wgrad
+        xt8, sxt = quantize_runs(x2.t(), r.fwd_dtype) if fp8_wgrad else (None, None)
+        w8t = w8.t().contiguous() if ctx.needs_input_grad[0] else None
+        ctx.save_for_backward(xt8 if fp8_wgrad else (x2 if need_wgrad else None), sxt, w8t, sw)
+        ctx.sink, ctx.fp8_wgrad, ctx.use_bias, ctx.bwd_dtype = wgrad_sink, fp8_wgrad, bias is not None, r.bwd_dtype
+        ctx.x_shape, ctx.w_dtype = shape, weight.dtype
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        xs, sxt, w8t, sw = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dy8, sdy = quantize_runs(dy2, ctx.bwd_dtype)
+            dx = _block_gemm(dy8, sdy, w8t, sw.t(), dy.dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            out_dtype = torch.float32 if ctx.sink is not None else ctx.w_dtype
+            if ctx.fp8_wgrad:
+                dyt8, sdyt = quantize_runs(dy2.t(), ctx.bwd_dtype)
+                dw = _block_gemm(dyt8, sdyt, xs, sxt, out_dtype)
+            else:
+                dw = torch.matmul(dy2.t(), xs.to(dy2.dtype)).to(out_dtype)
+            if ctx.sink is not None:
+                dw = ctx.sink(dw)
+        if ctx.use_bias:
+            db = dy2.sum(0)
+        return dx, dw, db, None, None
+
+
+def unsupported_shape(x: torch.Tensor, weight: torch.Tensor, align: int = ALIGN) -> str | None:
+    """Why cuBLASLt's fp8 GEMM cannot take these operands, or None (blockwise: align 128)."""
     tokens = x.numel() // x.shape[-1]
     dims = {"tokens": tokens, "in_features": weight.shape[1], "out_features": weight.shape[0]}
-    odd = {k: v for k, v in dims.items() if v % ALIGN}
+    odd = {k: v for k, v in dims.items() if v % align}
     if odd:
-        return f"fp8 GEMM dimensions must be multiples of {ALIGN}: " + ", ".join(f"{k}={v}" for k, v in odd.items())
+        return f"fp8 GEMM dimensions must be multiples of {align}: " + ", ".join(f"{k}={v}" for k, v in odd.items())
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"input dtype {x.dtype}"
     return None
@@ -185,13 +282,14 @@ def unsupported_shape(x: torch.Tensor, weight: torch.Tensor) -> str | None:
 
 def fp8_linear(x, weight, bias, scaling: Fp8Scaling, wgrad_sink=None):
     """y = x @ weight^T (+ bias) with fp8 GEMMs forward and backward; see the module doc."""
-    why = unsupported_shape(x, weight)
+    blockwise = scaling.recipe.recipe == "blockwise"
+    why = unsupported_shape(x, weight, BLOCK if blockwise else ALIGN)
     if why is not None:
         report.fell_back("fp8_linear", f"{x.dtype} matmul (not fp8)", why)
         return _HighPrecisionLinear.apply(x, weight, bias, wgrad_sink)
     report.ran("fp8_linear", f"{'cuda' if x.is_cuda else x.device.type}.scaled_mm"
                              f"({scaling.recipe.format}, {scaling.recipe.recipe})")
-    return _Fp8Linear.apply(x, weight, bias, scaling, wgrad_sink)
+    return (_Fp8BlockLinear if blockwise else _Fp8Linear).apply(x, weight, bias, scaling, wgrad_sink)
 
 
 class _HighPrecisionLinear(torch.autograd.Function):

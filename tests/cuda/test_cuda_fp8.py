@@ -220,3 +220,100 @@ def test_odd_shapes_fall_back_reported_and_strict_raises(torch_cast_on_cpu, monk
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer without a CUDA device")
 def test_fp8_unavailable_without_a_gpu():
     assert fp8.fp8_unavailable() == "no CUDA device is visible"
+
+
+# ---- blockwise (TE's Float8BlockScaling): 1 x 128 runs and 128 x 128 weight blocks ---------------
+
+def _blockwise_capable():
+    if DEV == "cuda" and fp8.fp8_unavailable("blockwise") is not None:
+        pytest.skip(fp8.fp8_unavailable("blockwise"))
+
+
+@pytest.mark.parametrize("dtype", [E4, E5])
+def test_blockwise_quantizers_scale_each_run_and_block(dtype):
+    """Every 1 x 128 run (and 128 x 128 block) gets its own scale: its largest element lands on the
+    format's maximum, and runs 1e6 apart in magnitude both keep fp8's relative precision. The 1 x 128
+    scales are laid out rows-contiguous, as cuBLASLt reads them."""
+    torch.manual_seed(7)
+    x = torch.randn(256, 384, device=DEV)
+    x[:, :128] *= 1e-3
+    x[:, 256:] *= 1e3
+    q, s = fp8.quantize_runs(x, dtype)
+    assert s.shape == (256, 3) and s.stride() == (1, 256), (s.shape, s.stride())
+    top = q.float().view(256, 3, 128).abs().amax(-1)
+    assert torch.equal(top, torch.full_like(top, FP8_MAX[dtype]))
+    back = (q.float().view(256, 3, 128) * s[..., None]).view(256, 384)
+    bound = 0.07 if dtype == E4 else 0.13          # half an ulp (2^-4 / 2^-3) plus subnormals
+    for c in range(3):
+        part = slice(128 * c, 128 * (c + 1))
+        assert ((back[:, part] - x[:, part]).norm() / x[:, part].norm()) < bound / 2
+    w = torch.randn(256, 384, device=DEV)
+    w[128:, 128:256] *= 1e-4
+    wq, ws = fp8.quantize_blocks(w, dtype)
+    assert ws.shape == (2, 3)
+    blocks = wq.float().view(2, 128, 3, 128).abs().amax(dim=(1, 3))
+    assert torch.equal(blocks, torch.full_like(blocks, FP8_MAX[dtype]))
+    torch.testing.assert_close(ws[1, 1], w[128:, 128:256].abs().max() / FP8_MAX[dtype], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+def test_linear_blockwise_forward_dgrad_wgrad(fmt):
+    """fp8_linear with --fp8-recipe blockwise against fp32 at fp8 tolerances; an input whose
+    columns span 1e6 in magnitude keeps its small columns' weight gradient (a per-tensor scale
+    flushes them to zero: tensorwise gives a relative error of 1.0 there)."""
+    _blockwise_capable()
+    torch.manual_seed(8)
+    x = torch.randn(2, 128, 384, device=DEV, dtype=torch.bfloat16)
+    x[..., :128] *= 1e-6       # a per-tensor scale flushes these to zero (wgrad error 1.0)
+    x.requires_grad_()
+    w = (torch.randn(256, 384, device=DEV) * 0.05).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(2, 128, 256, device=DEV, dtype=torch.bfloat16)
+    sink_got = []
+    y = fp8.fp8_linear(x, w, None, Fp8Scaling(Fp8Recipe(format=fmt, recipe="blockwise"), DEV),
+                       lambda dw: sink_got.append(dw) or None)
+    y.backward(dy)
+    xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    (xf @ wf.t()).backward(dy.float())
+    rel = lambda a, b: float((a.detach().float() - b).norm() / b.norm())   # noqa: E731
+    grad_bound = 0.08 if fmt == "hybrid" else 0.05                  # e5m2 gradients in hybrid
+    assert rel(y, xf.detach() @ wf.detach().t()) < 0.05
+    assert rel(x.grad, xf.grad) < grad_bound
+    assert rel(x.grad[..., :128], xf.grad[..., :128]) < grad_bound   # dgrad is along out: every column
+    (dw,) = sink_got
+    assert dw.dtype == torch.float32 and rel(dw, wf.grad) < grad_bound
+    small = wf.grad[:, :128]          # the weight gradient's columns fed by the 1e-6 inputs
+    assert rel(dw[:, :128], small) < grad_bound, "per-run scales keep the small inputs' wgrad"
+    assert "cpu.scaled_mm(%s, blockwise)" % fmt in str(report.op_counts()) or DEV == "cuda"
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="on CPU the block-scaled GEMM is this emulation itself "
+                    "(torch's CPU _scaled_mm takes no block scales); the GPU checks cuBLASLt's")
+def test_blockwise_gemms_equal_the_emulation_on_the_gpu():
+    """cuBLASLt's block-scaled GEMMs read the scale layouts as meant: each of the three pairings
+    against the fp32 product of the same dequantized fp8 operands."""
+    _blockwise_capable()
+    torch.manual_seed(9)
+    m, k, n = 512, 384, 256
+    x, w, dy = torch.randn(m, k, device=DEV), torch.randn(n, k, device=DEV), torch.randn(m, n, device=DEV)
+    x8, sx = fp8.quantize_runs(x, E4)
+    w8, sw = fp8.quantize_blocks(w, E4)
+    dy8, sdy = fp8.quantize_runs(dy, E5)
+    xt8, sxt = fp8.quantize_runs(x.t(), E4)
+    dyt8, sdyt = fp8.quantize_runs(dy.t(), E5)
+    w8t = w8.t().contiguous()
+    for name, a, sa, b, sb, out in (("forward", x8, sx, w8, sw, torch.bfloat16),
+                                    ("dgrad", dy8, sdy, w8t, sw.t(), torch.bfloat16),
+                                    ("wgrad", dyt8, sdyt, xt8, sxt, torch.float32)):
+        got = fp8._block_gemm(a, sa, b, sb, out).float()
+        ref = fp8._dequant(a, sa) @ fp8._dequant(b, sb).t()
+        err = float((got - ref).norm() / ref.norm())
+        assert err < (5e-3 if out == torch.bfloat16 else 1e-3), (name, err)
+
+
+def test_blockwise_needs_multiples_of_128_else_reported_fallback():
+    report.reset_op_counts()
+    x = torch.randn(64, 384, device=DEV, requires_grad=True)
+    w = torch.randn(256, 384, device=DEV, requires_grad=True)
+    fp8.fp8_linear(x, w, None, Fp8Scaling(Fp8Recipe(recipe="blockwise"), DEV))
+    fb = [o for o in report.as_dict()["ops"] if o["op"] == "fp8_linear" and o["fallback_reason"]]
+    assert fb and "multiples of 128: tokens=64" in fb[-1]["fallback_reason"], fb

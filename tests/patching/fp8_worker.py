@@ -33,7 +33,7 @@ if scenario == "train":
     from megatron_adapt.backends.cuda import fp8 as cuda_fp8
 
     cpu_backend.BACKEND.ops["fp8_linear"] = "megatron_adapt.backends.cuda.fp8:fp8_linear"
-    cpu_backend.BACKEND._loaded["fp8_unavailable"] = lambda: None
+    cpu_backend.BACKEND._loaded["fp8_unavailable"] = lambda recipe=None: None
     assert cpu_backend.BACKEND.op("fp8_linear") is cuda_fp8.fp8_linear
 
 megatron_adapt.apply("cpu", quiet=True)

@@ -67,8 +67,9 @@ class TestFp8ThroughMegatron:
 
 
 @pytest.mark.parametrize("settings,expected", [
-    ({"fp8": "hybrid", "fp8_recipe": "blockwise"}, "--fp8-format hybrid --fp8-recipe blockwise: the cuda backend serves the tensorwise and delayed recipes only"),
-    ({"fp8": "hybrid", "fp8_recipe": "mxfp8"}, "--fp8-recipe mxfp8"),
+    ({"fp8": "hybrid", "fp8_recipe": "blockwise"}, None),
+    ({"fp8": "hybrid", "fp8_recipe": "mxfp8"}, "--fp8-format hybrid --fp8-recipe mxfp8: the cuda backend serves the tensorwise, delayed and blockwise recipes only (mxfp8 needs the MX block-scaled GEMMs of sm100"),
+    ({"fp8": "hybrid", "fp8_recipe": "custom"}, "--fp8-recipe custom"),
     ({"fp8": "hybrid", "fp8_recipe": "tensorwise", "fp8_param_gather": True}, "--fp8-param-gather: the cuda backend keeps parameters in bf16"),
     ({"fp8": "e4m3", "fp8_recipe": "delayed", "num_experts": 8}, "--num-experts: the cuda backend has no fp8 grouped GEMM"),
     ({"fp8": "hybrid", "fp8_recipe": "delayed", "transformer_impl": "local"}, "--transformer-impl local"),
@@ -90,7 +91,7 @@ def test_refusal_on_a_backend_that_runs_fp8(settings, expected):
     serves are still refused, each naming its flag; the served ones pass."""
     from megatron_adapt.patches.fp8 import fp8_refusal
 
-    backend = types.SimpleNamespace(name="cuda", op=lambda name: {"fp8_unavailable": lambda: None}[name])
+    backend = types.SimpleNamespace(name="cuda", op=lambda name: {"fp8_unavailable": lambda recipe=None: None}[name])
     why = fp8_refusal(backend, settings)
     assert (why is None) if expected is None else (expected in why), why
 
@@ -99,9 +100,22 @@ def test_refusal_on_a_backend_that_runs_fp8(settings, expected):
 def test_refusal_on_a_gpu_before_sm89(reason):
     from megatron_adapt.patches.fp8 import fp8_refusal
 
-    backend = types.SimpleNamespace(name="cuda", op=lambda name: {"fp8_unavailable": lambda: reason}[name])
+    backend = types.SimpleNamespace(name="cuda", op=lambda name: {"fp8_unavailable": lambda recipe=None: reason}[name])
     why = fp8_refusal(backend, {"fp8": "hybrid", "fp8_recipe": "tensorwise"})
     assert why.startswith(f"--fp8-format hybrid: the cuda backend cannot run it: {reason}"), why
+
+
+def test_blockwise_refused_where_the_gpu_has_no_block_scaled_gemm():
+    """An fp8 GPU without cuBLASLt's block-scaled GEMM (here: an Ada card) runs tensorwise and delayed,
+    and refuses blockwise naming the recipe and the reason."""
+    from megatron_adapt.patches.fp8 import fp8_refusal
+
+    reason = "NVIDIA L40S (sm89), CUDA 13.0: the 1x128 / 128x128 block-scaled fp8 GEMMs ..."
+    backend = types.SimpleNamespace(name="cuda", op=lambda name: {
+        "fp8_unavailable": lambda recipe=None: reason if recipe == "blockwise" else None}[name])
+    assert fp8_refusal(backend, {"fp8": "hybrid", "fp8_recipe": "tensorwise"}) is None
+    why = fp8_refusal(backend, {"fp8": "hybrid", "fp8_recipe": "blockwise"})
+    assert why.startswith(f"--fp8-format hybrid --fp8-recipe blockwise: the cuda backend cannot run it: {reason}"), why
 
 
 def test_npu_refuses_fp8():
