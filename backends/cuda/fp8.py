@@ -185,7 +185,7 @@ def quantize_runs(x: torch.Tensor, dtype: torch.dtype):
     """x [R, C] -> (x8 [R, C], scale_inv [R, C / 128] fp32): one current scale per 1 x 128 run along
     C. The scales are laid out R-contiguous, as cuBLASLt reads 1 x 128 scales."""
     r, c = x.shape
-    t = x.float().view(r, c // BLOCK, BLOCK)
+    t = x.float().contiguous().view(r, c // BLOCK, BLOCK)    # x may be a transposed view: row-major out
     scale = current_scale(t.abs().amax(-1), FP8_MAX[dtype])
     x8 = (t * scale[..., None]).clamp_(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype).view(r, c)
     return x8, scale.reciprocal().t().contiguous().t()
@@ -194,7 +194,7 @@ def quantize_runs(x: torch.Tensor, dtype: torch.dtype):
 def quantize_blocks(w: torch.Tensor, dtype: torch.dtype):
     """w [R, C] -> (w8 [R, C], scale_inv [R / 128, C / 128] fp32): one current scale per 128 x 128 block."""
     r, c = w.shape
-    t = w.float().view(r // BLOCK, BLOCK, c // BLOCK, BLOCK)
+    t = w.float().contiguous().view(r // BLOCK, BLOCK, c // BLOCK, BLOCK)
     scale = current_scale(t.abs().amax(dim=(1, 3)), FP8_MAX[dtype])
     w8 = (t * scale[:, None, :, None]).clamp_(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype).view(r, c)
     return w8, scale.reciprocal()

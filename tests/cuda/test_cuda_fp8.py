@@ -240,6 +240,8 @@ def test_blockwise_quantizers_scale_each_run_and_block(dtype):
     x[:, 256:] *= 1e3
     q, s = fp8.quantize_runs(x, dtype)
     assert s.shape == (256, 3) and s.stride() == (1, 256), (s.shape, s.stride())
+    qt, _ = fp8.quantize_runs(x.t(), dtype)           # a transposed view in: row-major fp8 out
+    assert qt.is_contiguous(), qt.stride()            # (cuBLASLt takes row-major x column-major only)
     top = q.float().view(256, 3, 128).abs().amax(-1)
     assert torch.equal(top, torch.full_like(top, FP8_MAX[dtype]))
     back = (q.float().view(256, 3, 128) * s[..., None]).view(256, 384)
