@@ -215,9 +215,15 @@ def _block_gemm(a, sa, b_rows, sb_rows, out_dtype):
     operands (torch's CPU _scaled_mm has no block scales)."""
     if a.is_cuda:
         # scale_b for b = b_rows^T [K, N]: blocks [K/128, N/128] with K contiguous, runs [K/128, N]
-        # with N contiguous (the layouts cuBLASLt reads; scripts/fp8_blockwise_probe.py)
-        blocks = sb_rows.shape[0] != b_rows.shape[0]
-        sb = sb_rows.contiguous().t() if blocks else sb_rows.t().contiguous()
+        # with N contiguous (the layouts cuBLASLt reads; scripts/fp8_blockwise_probe.py). A scale
+        # tensor's leading dimension must be a multiple of 4 (16 bytes): the blocks' K/128 is padded
+        if sb_rows.shape[0] != b_rows.shape[0]:
+            nb, kb = sb_rows.shape
+            padded = sb_rows.new_zeros(nb, -(-kb // 4) * 4)
+            padded[:, :kb] = sb_rows
+            sb = padded[:, :kb].t()
+        else:
+            sb = sb_rows.t().contiguous()
         return torch._scaled_mm(a, b_rows.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=False)
     return (_dequant(a, sa) @ _dequant(b_rows, sb_rows).t()).to(out_dtype)
 
