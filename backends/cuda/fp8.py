@@ -179,6 +179,7 @@ class _Fp8Linear(torch.autograd.Function):
 
 # ---------------------------------------------------------------- blockwise (TE's Float8BlockScaling)
 BLOCK = 128
+BLOCKWISE_ALIGN = 4 * BLOCK   # every reduction a whole number of 4 blocks (16-byte aligned scale rows)
 
 
 def quantize_runs(x: torch.Tensor, dtype: torch.dtype):
@@ -215,15 +216,11 @@ def _block_gemm(a, sa, b_rows, sb_rows, out_dtype):
     operands (torch's CPU _scaled_mm has no block scales)."""
     if a.is_cuda:
         # scale_b for b = b_rows^T [K, N]: blocks [K/128, N/128] with K contiguous, runs [K/128, N]
-        # with N contiguous (the layouts cuBLASLt reads; scripts/fp8_blockwise_probe.py). A scale
-        # tensor's leading dimension must be a multiple of 4 (16 bytes): the blocks' K/128 is padded
-        if sb_rows.shape[0] != b_rows.shape[0]:
-            nb, kb = sb_rows.shape
-            padded = sb_rows.new_zeros(nb, -(-kb // 4) * 4)
-            padded[:, :kb] = sb_rows
-            sb = padded[:, :kb].t()
-        else:
-            sb = sb_rows.t().contiguous()
+        # with N contiguous (the layouts cuBLASLt reads; scripts/fp8_blockwise_probe.py). Its rows
+        # must be 16-byte aligned: K/128 a multiple of 4, which BLOCKWISE_ALIGN makes sure of (with
+        # K/128 = 3 torch accepted the layout and cuBLASLt's product was wrong; padded, torch refused it)
+        blocks = sb_rows.shape[0] != b_rows.shape[0]
+        sb = sb_rows.contiguous().t() if blocks else sb_rows.t().contiguous()
         return torch._scaled_mm(a, b_rows.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=False)
     return (_dequant(a, sa) @ _dequant(b_rows, sb_rows).t()).to(out_dtype)
 
@@ -275,7 +272,7 @@ class _Fp8BlockLinear(torch.autograd.Function):
 
 
 def unsupported_shape(x: torch.Tensor, weight: torch.Tensor, align: int = ALIGN) -> str | None:
-    """Why cuBLASLt's fp8 GEMM cannot take these operands, or None (blockwise: align 128)."""
+    """Why cuBLASLt's fp8 GEMM cannot take these operands, or None (blockwise: align 512)."""
     tokens = x.numel() // x.shape[-1]
     dims = {"tokens": tokens, "in_features": weight.shape[1], "out_features": weight.shape[0]}
     odd = {k: v for k, v in dims.items() if v % align}
@@ -289,7 +286,7 @@ def unsupported_shape(x: torch.Tensor, weight: torch.Tensor, align: int = ALIGN)
 def fp8_linear(x, weight, bias, scaling: Fp8Scaling, wgrad_sink=None):
     """y = x @ weight^T (+ bias) with fp8 GEMMs forward and backward; see the module doc."""
     blockwise = scaling.recipe.recipe == "blockwise"
-    why = unsupported_shape(x, weight, BLOCK if blockwise else ALIGN)
+    why = unsupported_shape(x, weight, BLOCKWISE_ALIGN if blockwise else ALIGN)
     if why is not None:
         report.fell_back("fp8_linear", f"{x.dtype} matmul (not fp8)", why)
         return _HighPrecisionLinear.apply(x, weight, bias, wgrad_sink)

@@ -265,11 +265,11 @@ def test_linear_blockwise_forward_dgrad_wgrad(fmt):
     flushes them to zero: tensorwise gives a relative error of 1.0 there)."""
     _blockwise_capable()
     torch.manual_seed(8)
-    x = torch.randn(2, 128, 384, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(2, 256, 512, device=DEV, dtype=torch.bfloat16)
     x[..., :128] *= 1e-6       # a per-tensor scale flushes these to zero (wgrad error 1.0)
     x.requires_grad_()
-    w = (torch.randn(256, 384, device=DEV) * 0.05).to(torch.bfloat16).requires_grad_()
-    dy = torch.randn(2, 128, 256, device=DEV, dtype=torch.bfloat16)
+    w = (torch.randn(512, 512, device=DEV) * 0.05).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(2, 256, 512, device=DEV, dtype=torch.bfloat16)
     sink_got = []
     y = fp8.fp8_linear(x, w, None, Fp8Scaling(Fp8Recipe(format=fmt, recipe="blockwise"), DEV),
                        lambda dw: sink_got.append(dw) or None)
@@ -295,7 +295,7 @@ def test_blockwise_gemms_equal_the_emulation_on_the_gpu():
     against the fp32 product of the same dequantized fp8 operands."""
     _blockwise_capable()
     torch.manual_seed(9)
-    m, k, n = 512, 384, 256
+    m, k, n = 1024, 512, 1536
     x, w, dy = torch.randn(m, k, device=DEV), torch.randn(n, k, device=DEV), torch.randn(m, n, device=DEV)
     x8, sx = fp8.quantize_runs(x, E4)
     w8, sw = fp8.quantize_blocks(w, E4)
@@ -312,10 +312,10 @@ def test_blockwise_gemms_equal_the_emulation_on_the_gpu():
         assert err < (5e-3 if out == torch.bfloat16 else 1e-3), (name, err)
 
 
-def test_blockwise_needs_multiples_of_128_else_reported_fallback():
+def test_blockwise_needs_multiples_of_512_else_reported_fallback():
     report.reset_op_counts()
-    x = torch.randn(64, 384, device=DEV, requires_grad=True)
-    w = torch.randn(256, 384, device=DEV, requires_grad=True)
+    x = torch.randn(256, 384, device=DEV, requires_grad=True)
+    w = torch.randn(512, 384, device=DEV, requires_grad=True)
     fp8.fp8_linear(x, w, None, Fp8Scaling(Fp8Recipe(recipe="blockwise"), DEV))
     fb = [o for o in report.as_dict()["ops"] if o["op"] == "fp8_linear" and o["fallback_reason"]]
-    assert fb and "multiples of 128: tokens=64" in fb[-1]["fallback_reason"], fb
+    assert fb and "multiples of 512: tokens=256, in_features=384" in fb[-1]["fallback_reason"], fb
