@@ -33,7 +33,7 @@
 #      dropout on, the two runs draw different dropout masks -- Megatron's RNG tracker in (a), the
 #      fused attention kernel's own Philox stream in (b), as with TE -- so their curves part ways
 #      in the steep first iterations)
-#      FP8_RECIPE [tensorwise]: tensorwise | delayed, FP8_FORMAT [hybrid]: hybrid | e4m3, for the fp8 runs;
+#      FP8_RECIPE [tensorwise]: tensorwise | delayed | blockwise, FP8_FORMAT [hybrid]: hybrid | e4m3, for the fp8 runs;
 #      MASTER_PORT [29561]: torchrun's port (two runs at once on two GPUs need two)
 #      FP8_ARGS [""]: more fp8 flags for them (e.g. "--fp8-amax-history-len 1024 --fp8-amax-compute-algo max")
 #      e.g. RUNS="adapt adapt_fp8" FP8_RECIPE=delayed scripts/bench_e2e.sh OUT
