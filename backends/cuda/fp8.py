@@ -182,10 +182,55 @@ BLOCK = 128
 BLOCKWISE_ALIGN = 4 * BLOCK   # every reduction a whole number of 4 blocks (16-byte aligned scale rows)
 
 
+if triton is not None:
+    @triton.jit
+    def _runs_kernel(x_ptr, y_ptr, s_ptr, R, C, stride_r, stride_c, FP8_MAX: tl.constexpr,
+                     BR: tl.constexpr, BLK: tl.constexpr):
+        """One program: BR rows x one 1 x BLK run each; x read through its strides (a transposed
+        view needs no copy), y written row-major, 1 / scale at (row, run) R-contiguous."""
+        pr, pc = tl.program_id(0), tl.program_id(1)
+        rr = pr * BR + tl.arange(0, BR)
+        rc = pc * BLK + tl.arange(0, BLK)
+        mask = rr[:, None] < R
+        x = tl.load(x_ptr + rr[:, None] * stride_r + rc[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), 1)
+        ok = (amax > 0.0) & (amax < float("inf"))
+        s = tl.minimum(tl.where(ok, FP8_MAX / tl.where(ok, amax, 1.0), 1.0), 3.4028234663852886e38)
+        y = tl.minimum(tl.maximum(x * s[:, None], -FP8_MAX), FP8_MAX)
+        tl.store(y_ptr + rr[:, None] * C + rc[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + rr + pc * R, 1.0 / s, mask=rr < R)
+
+    @triton.jit
+    def _blocks_kernel(x_ptr, y_ptr, s_ptr, C, FP8_MAX: tl.constexpr, BLK: tl.constexpr):
+        """One program: one BLK x BLK block of a row-major [R, C] weight; 1 / scale at (block row, block col)."""
+        pr, pc = tl.program_id(0), tl.program_id(1)
+        rr = pr * BLK + tl.arange(0, BLK)
+        rc = pc * BLK + tl.arange(0, BLK)
+        x = tl.load(x_ptr + rr[:, None] * C + rc[None, :]).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(x), 1), 0)
+        ok = (amax > 0.0) & (amax < float("inf"))
+        s = tl.minimum(tl.where(ok, FP8_MAX / tl.where(ok, amax, 1.0), 1.0), 3.4028234663852886e38)
+        y = tl.minimum(tl.maximum(x * s, -FP8_MAX), FP8_MAX)
+        tl.store(y_ptr + rr[:, None] * C + rc[None, :], y.to(y_ptr.dtype.element_ty))
+        tl.store(s_ptr + pr * (C // BLK) + pc, 1.0 / s)
+
+
+def _triton_here(x) -> bool:
+    return triton is not None and (x.is_cuda or (interpreting() and x.device.type == "cpu"))
+
+
 def quantize_runs(x: torch.Tensor, dtype: torch.dtype):
     """x [R, C] -> (x8 [R, C], scale_inv [R, C / 128] fp32): one current scale per 1 x 128 run along
-    C. The scales are laid out R-contiguous, as cuBLASLt reads 1 x 128 scales."""
+    C. The scales are laid out R-contiguous, as cuBLASLt reads 1 x 128 scales. One Triton pass on
+    CUDA tensors (x may be a transposed view: read through its strides); PyTorch on CPU tensors."""
     r, c = x.shape
+    if _triton_here(x):
+        y = torch.empty(r, c, dtype=dtype, device=x.device)
+        s_inv = torch.empty(c // BLOCK, r, dtype=torch.float32, device=x.device).t()
+        br = 16 if interpreting() else 32
+        _runs_kernel[(cdiv(r, br), c // BLOCK)](x, y, s_inv, r, c, x.stride(0), x.stride(1),
+                                                FP8_MAX=FP8_MAX[dtype], BR=br, BLK=BLOCK, num_warps=4)
+        return y, s_inv
     t = x.float().contiguous().view(r, c // BLOCK, BLOCK)    # x may be a transposed view: row-major out
     scale = current_scale(t.abs().amax(-1), FP8_MAX[dtype])
     x8 = (t * scale[..., None]).clamp_(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype).view(r, c)
@@ -193,8 +238,15 @@ def quantize_runs(x: torch.Tensor, dtype: torch.dtype):
 
 
 def quantize_blocks(w: torch.Tensor, dtype: torch.dtype):
-    """w [R, C] -> (w8 [R, C], scale_inv [R / 128, C / 128] fp32): one current scale per 128 x 128 block."""
+    """w [R, C] -> (w8 [R, C], scale_inv [R / 128, C / 128] fp32): one current scale per 128 x 128
+    block. One Triton pass on CUDA tensors; PyTorch on CPU tensors."""
     r, c = w.shape
+    if _triton_here(w):
+        w = w.contiguous()
+        y = torch.empty(r, c, dtype=dtype, device=w.device)
+        s_inv = torch.empty(r // BLOCK, c // BLOCK, dtype=torch.float32, device=w.device)
+        _blocks_kernel[(r // BLOCK, c // BLOCK)](w, y, s_inv, c, FP8_MAX=FP8_MAX[dtype], BLK=BLOCK, num_warps=8)
+        return y, s_inv
     t = w.float().contiguous().view(r // BLOCK, BLOCK, c // BLOCK, BLOCK)
     scale = current_scale(t.abs().amax(dim=(1, 3)), FP8_MAX[dtype])
     w8 = (t * scale[:, None, :, None]).clamp_(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype).view(r, c)
