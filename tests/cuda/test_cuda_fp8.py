@@ -351,7 +351,10 @@ def test_blockwise_kernels_equal_the_pytorch_quantizers(dtype, layout, monkeypat
         prescaled = (t * current_scale(t.abs().amax(-1), FP8_MAX[dtype])[..., None]).view(r, c)
     got, ref = q.float(), q_ref.float()
     if DEV == "cuda":
-        assert torch.equal(got, ref), int((got != ref).sum())
+        # the kernel's scale can sit an ulp from torch's (scales within 5e-7 above): at elements a
+        # hair from a rounding tie that moves one fp8 step (an H200: 8-12 of 131072); no other difference
+        step = torch.where(ref != 0, ref.abs() * (2.0 ** -2 if dtype == E5 else 2.0 ** -3), torch.full_like(ref, 2.0 ** -9))
+        assert ((got - ref).abs() <= step).all() and (got != ref).float().mean() < 1e-3, int((got != ref).sum())
         return
     # the interpreter rounds fp32 -> fp8 wrongly at carries (e.g. 123.9 -> 64, a few % of these
     # elements), ties and in the subnormals (module doc): there most elements are equal; a wrong
