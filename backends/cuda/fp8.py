@@ -6,7 +6,8 @@
 - wgrad    dW = dy^T @ x     the same operands, fp32 out (handed to `wgrad_sink`, e.g. Megatron's
                              main_grad accumulation) or weight.dtype.
 Scales follow `scaling` (megatron_adapt.backends.fp8_scaling: tensorwise = current scaling,
-delayed = amax history). cuBLASLt wants A row-major and B column-major with every dimension a
+delayed = amax history; blockwise = a scale per 1 x 128 run and 128 x 128 weight block, served by
+`_Fp8BlockLinear` below through cuBLASLt's block-scaled GEMMs on Hopper). cuBLASLt wants A row-major and B column-major with every dimension a
 multiple of 16: the cast kernel writes each tensor once row-major and, where a backward GEMM needs
 it, once transposed (x^T and dy^T for wgrad, W^T for dgrad), so no GEMM operand is copied again.
 
