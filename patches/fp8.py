@@ -47,6 +47,8 @@ from megatron_adapt.errors import UnsupportedFeatureError
 from megatron_adapt.spec import WRAP, PatchSpec, SkipPatch
 
 RECIPES_SERVED = ("tensorwise", "delayed", "blockwise")
+_NOT_SERVED = {"mxfp8": "mxfp8 needs the MX block-scaled GEMMs of sm100 (Blackwell)",
+               "custom": "a custom recipe is a Transformer Engine quantizer factory"}
 _FIX = "Train without it (--bf16), or on the cuda backend on an sm89+ (Ada, Hopper) GPU."
 
 
@@ -73,7 +75,7 @@ def fp8_refusal(backend, settings: dict) -> str | None:
         return f"{flag}: {where} cannot run it: {why}. {_FIX}"
     if recipe not in RECIPES_SERVED:
         return (f"{flag} --fp8-recipe {recipe}: {where} serves the tensorwise, delayed and blockwise "
-                f"recipes only ({'mxfp8 needs the MX block-scaled GEMMs of sm100 (Blackwell)' if recipe == 'mxfp8' else 'a custom recipe is a Transformer Engine quantizer factory'}). "
+                f"recipes only ({_NOT_SERVED.get(recipe, 'not a recipe megatron-adapt knows')}). "
                 f"Use --fp8-recipe tensorwise, delayed or blockwise.")
     if recipe == "blockwise":
         why = backend.op("fp8_unavailable")(recipe)
