@@ -133,6 +133,14 @@ def _gemm(a, b, scale_a, scale_b, out_dtype, fast_accum):
                             use_fast_accum=fast_accum and a.is_cuda)
 
 
+def _wgrad(ctx, dy2, xs, fp8_gemm):
+    """The weight gradient: fp8_gemm(out_dtype) with fp8 wgrad on (Megatron's --fp8-wgrad), else
+    dy^T x in the gradient's dtype; fp32 when it goes to the sink (main_grad), which returns it."""
+    out_dtype = torch.float32 if ctx.sink is not None else ctx.w_dtype
+    dw = fp8_gemm(out_dtype) if ctx.fp8_wgrad else torch.matmul(dy2.t(), xs.to(dy2.dtype)).to(out_dtype)
+    return ctx.sink(dw) if ctx.sink is not None else dw
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, scaling, wgrad_sink):
@@ -164,13 +172,7 @@ class _Fp8Linear(torch.autograd.Function):
         if need_dgrad:
             dx = _gemm(dy8, w8t.t(), sg_inv, sw_inv, dy.dtype, False).reshape(ctx.x_shape)
         if need_wgrad:
-            out_dtype = torch.float32 if ctx.sink is not None else ctx.w_dtype
-            if ctx.fp8_wgrad:
-                dw = _gemm(dy8t, xs.t(), sg_inv, sx_inv, out_dtype, False)
-            else:
-                dw = torch.matmul(dy2.t(), xs.to(dy2.dtype)).to(out_dtype)
-            if ctx.sink is not None:
-                dw = ctx.sink(dw)
+            dw = _wgrad(ctx, dy2, xs, lambda out: _gemm(dy8t, xs.t(), sg_inv, sx_inv, out, False))
         if ctx.use_bias:
             db = dy2.sum(0)
         if r.recipe == "delayed":
@@ -311,14 +313,7 @@ class _Fp8BlockLinear(torch.autograd.Function):
             dy8, sdy = quantize_runs(dy2, ctx.bwd_dtype)
             dx = _block_gemm(dy8, sdy, w8t, sw.t(), dy.dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            out_dtype = torch.float32 if ctx.sink is not None else ctx.w_dtype
-            if ctx.fp8_wgrad:
-                dyt8, sdyt = quantize_runs(dy2.t(), ctx.bwd_dtype)
-                dw = _block_gemm(dyt8, sdyt, xs, sxt, out_dtype)
-            else:
-                dw = torch.matmul(dy2.t(), xs.to(dy2.dtype)).to(out_dtype)
-            if ctx.sink is not None:
-                dw = ctx.sink(dw)
+            dw = _wgrad(ctx, dy2, xs, lambda out: _block_gemm(*quantize_runs(dy2.t(), ctx.bwd_dtype), xs, sxt, out))
         if ctx.use_bias:
             db = dy2.sum(0)
         return dx, dw, db, None, None
