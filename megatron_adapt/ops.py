@@ -134,6 +134,12 @@ OPS: dict[str, Op] = {
         "wgrad GEMMs in fp8 with scaling's format and recipe; wgrad_sink(dW fp32) returns the "
         "weight's gradient (gradient-accumulation fusion), without it dW in weight.dtype. "
         "Served only where fp8_unavailable() is None (cuda)"),
+    "fp8_grouped_gemm": Op(
+        ".fp8:fp8_grouped_gemm",
+        "(x [T, in], w [E, out, in], tokens_per_expert [E] host ints, recipe: backends.fp8_scaling."
+        "Fp8Recipe) -> y [T, out] x.dtype: each expert's consecutive rows times w[e]^T, forward, "
+        "dgrad and wgrad GEMMs in fp8 (the MoE experts' grouped linears under fp8). "
+        "Served only where fp8_unavailable() is None (cuda)"),
     "ssd_scan": Op(
         ".ssm:ssd_scan",
         "(x [b, l, h, p], dt [b, l, h], A [h] fp32, B [b, l, g, n], C [b, l, g, n], chunk_size, "

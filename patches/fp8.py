@@ -9,7 +9,8 @@ in bf16 and say nothing. This area makes that impossible:
   fp4 settings against the backend: a backend whose `fp8_unavailable` op gives a reason (cpu, npu,
   a CUDA GPU before sm89) refuses `--fp8-format` naming the flag, the backend and that reason;
   `--fp4-format` is refused on every backend; so are the fp8 features no linear here serves
-  (`--fp8-recipe mxfp8|custom`, blockwise off Hopper, `--fp8-param-gather`, fp8 attention, fp8 MoE experts,
+  (`--fp8-recipe mxfp8|custom`, blockwise off Hopper, `--fp8-param-gather`, fp8 attention, MoE experts
+  other than the grouped ones (`--moe-grouped-gemm`),
   `--transformer-impl local`, `--fp8-interval N` under CUDA graphs and
   `--recompute-granularity full` (Megatron recomputes fp8 layers with TE's checkpoint).
 * The context. `megatron.core.fp8_utils:get_fp8_context` is replaced: Megatron's own callers
@@ -91,8 +92,9 @@ def fp8_refusal(backend, settings: dict) -> str | None:
         if settings.get(key):
             return f"{flag} {name}: {where} runs attention in bf16/fp16 (fp8 attention is TE's). Drop {name}."
     if settings.get("num_experts"):
-        return (f"{flag} --num-experts: {where} has no fp8 grouped GEMM for the MoE experts yet "
-                f"(dense linears only). Train the MoE model without --fp8-format.")
+        why = _experts_refusal(backend, settings)
+        if why is not None:
+            return f"{flag} --num-experts {settings['num_experts']}: {why}"
     graphs = settings.get("cuda_graph_impl") == "local" or settings.get("enable_cuda_graph")
     if graphs and recipe == "delayed" and int(settings.get("fp8_interval") or 1) > 1:
         return (f"{flag} --fp8-recipe delayed --fp8-interval {settings['fp8_interval']} "
@@ -107,6 +109,26 @@ def fp8_refusal(backend, settings: dict) -> str | None:
         return (f"{flag} --transformer-impl local: megatron-adapt serves fp8 in the linears of the "
                 f"transformer_engine layer spec (Megatron's default); the local spec's linears would "
                 f"run in bf16. Use --transformer-impl transformer_engine.")
+    return None
+
+
+def _experts_refusal(backend, settings: dict) -> str | None:
+    """The MoE experts in fp8 run as TEGroupedMLP on megatron-adapt's grouped linears (the backend's
+    fp8_grouped_gemm); every other experts set-up would run them in bf16."""
+    where = f"the {backend.name} backend"
+    if "fp8_grouped_gemm" not in backend.ops:
+        return f"{where} has no fp8 grouped GEMM for the experts. Train the MoE model without --fp8-format."
+    if not settings.get("moe_grouped_gemm"):
+        return (f"{where} runs fp8 experts as one grouped GEMM per linear; without --moe-grouped-gemm "
+                f"Megatron builds SequentialMLP, whose experts are not served in fp8. Add --moe-grouped-gemm.")
+    if settings.get("moe_use_legacy_grouped_gemm"):
+        return ("--moe-use-legacy-grouped-gemm builds Megatron's legacy GroupedMLP, which has no fp8 "
+                "path (it would run bf16). Drop --moe-use-legacy-grouped-gemm.")
+    if settings.get("delay_wgrad_compute"):
+        return (f"--delay-wgrad-compute: {where}'s fp8 expert GEMMs compute their weight gradients "
+                f"in the backward pass. Drop --delay-wgrad-compute.")
+    if settings.get("use_transformer_engine_op_fuser"):
+        return "--use-transformer-engine-op-fuser is Transformer Engine's fused grouped MLP. Drop it."
     return None
 
 
@@ -125,6 +147,10 @@ def _config_check(backend, c) -> str | None:
                 "fp8_dot_product_attention": getattr(c, "fp8_dot_product_attention", False),
                 "fp8_multi_head_attention": getattr(c, "fp8_multi_head_attention", False),
                 "num_experts": getattr(c, "num_moe_experts", None),
+                "moe_grouped_gemm": getattr(c, "moe_grouped_gemm", False),
+                "moe_use_legacy_grouped_gemm": getattr(c, "moe_use_legacy_grouped_gemm", False),
+                "delay_wgrad_compute": getattr(c, "delay_wgrad_compute", False),
+                "use_transformer_engine_op_fuser": getattr(c, "use_transformer_engine_op_fuser", False),
                 "cuda_graph_impl": getattr(c, "cuda_graph_impl", None),
                 "fp8_interval": getattr(c, "fp8_interval", 1),
                 "recompute_granularity": getattr(c, "recompute_granularity", None),
@@ -418,7 +444,76 @@ def build_quantization_context(backend, original):
     return get_quantization_context
 
 
+# ---------------------------------------------------------------- MoE experts
+def _padded(m_splits, align):
+    return [-(-int(m) // align) * align for m in m_splits]
+
+
+def _row_index(m_splits, padded, device):
+    """Where each of the unpadded rows goes in the padded layout (int64 on `device`)."""
+    shifts, shift = [], 0
+    for m, p in zip(m_splits, padded):
+        shifts.append(shift)
+        shift += p - m
+    index = torch.arange(sum(m_splits)) + torch.repeat_interleave(torch.tensor(shifts), torch.tensor(m_splits))
+    return index.to(device, non_blocking=True)
+
+
+class Fp8Padding(torch.nn.Module):
+    """TE's Fp8Padding, which Megatron's TEGroupedMLP calls under fp8: each expert's rows padded
+    with zero rows to a multiple of `align_size` (16: the fp8 grouped GEMM's alignment), returning
+    the padded rows and row counts; the input as it is where every count already is a multiple."""
+
+    def __init__(self, num_gemms: int, align_size: int | None = None):
+        super().__init__()
+        self.num_gemms, self.align_size = num_gemms, align_size or 16
+
+    def forward(self, inp, m_splits):
+        padded = _padded(m_splits, self.align_size)
+        if padded == [int(m) for m in m_splits]:
+            return inp, m_splits
+        index = _row_index(m_splits, padded, inp.device)
+        return inp.new_zeros(sum(padded), *inp.shape[1:]).index_copy(0, index, inp), padded
+
+
+class Fp8Unpadding(Fp8Padding):
+    """TE's Fp8Unpadding: the rows Fp8Padding added taken out again (m_splits: the unpadded counts)."""
+
+    def forward(self, inp, m_splits):
+        padded = _padded(m_splits, self.align_size)
+        if padded == [int(m) for m in m_splits]:
+            return inp
+        return inp.index_select(0, _row_index(m_splits, padded, inp.device))
+
+
+def _experts_name(name, obj):
+    def build(backend, original):
+        if start_checks.te_installed():
+            raise SkipPatch(f"Transformer Engine is installed: its {name} serves Megatron's fp8 experts")
+        return obj
+    return build
+
+
+_MOE_FP8_TE_VERSIONS = ("1.7.0.dev0", "1.11.0")
+
+
+def build_moe_te_version(backend, original):
+    if start_checks.te_installed():
+        raise SkipPatch("Transformer Engine is installed: Megatron checks its version")
+
+    def is_te_min_version(version, check_equality=True):
+        """TransformerConfig asks for TE 1.7 (experts with zero tokens) and 1.11 (grouped GEMM) before
+        it takes MoE in fp8; in transformer_config.py those two versions gate nothing else. Without TE
+        the experts run on megatron-adapt's fp8 grouped GEMM, which handles both, and the fp8 start
+        check (run right after __post_init__) refuses the MoE set-ups it does not serve."""
+        if version in _MOE_FP8_TE_VERSIONS:
+            return True
+        return original(version, check_equality)
+    return is_te_min_version
+
+
 GRAPHS = "megatron.core.transformer.cuda_graphs"
+EXPERTS = "megatron.core.transformer.moe.experts"
 SPECS = [
     PatchSpec("megatron.core.fp8_utils:get_fp8_context", area="fp8", build=build_get_fp8_context),
     PatchSpec(f"{GRAPHS}:_CudaGraphRunner.get_quantization_context", area="fp8", mode=WRAP,
@@ -426,4 +521,15 @@ SPECS = [
 ] + [PatchSpec(f"{GRAPHS}:{name}", area="fp8", build=_served_without_te(name, obj), create=True)
      for name, obj in (("FP8GlobalStateManager", Fp8GraphState), ("save_fp8_tensors", save_fp8_tensors),
                        ("restore_fp8_tensors", restore_fp8_tensors), ("te", te),
-                       ("TransformerEngineBaseModule", _NotTransformerEngine))]
+                       ("TransformerEngineBaseModule", _NotTransformerEngine))] + [
+    # TEGroupedMLP under fp8 asserts HAVE_TE and pads each expert's rows with TE's Fp8Padding /
+    # Fp8Unpadding; its linears are megatron-adapt's grouped linears (patches/moe), which run the
+    # backend's fp8_grouped_gemm. experts.py reads HAVE_TE nowhere else that TE's absence changes:
+    # its fused-ops probe imports transformer_engine itself.
+    PatchSpec("megatron.core.transformer.transformer_config:is_te_min_version", area="fp8",
+              build=build_moe_te_version),
+    PatchSpec(f"{EXPERTS}:HAVE_TE", area="fp8", build=_experts_name("HAVE_TE", True), check_signature=False),
+    PatchSpec(f"{EXPERTS}:Fp8Padding", area="fp8", build=_experts_name("Fp8Padding", Fp8Padding),
+              create=True, check_signature=False),
+    PatchSpec(f"{EXPERTS}:Fp8Unpadding", area="fp8", build=_experts_name("Fp8Unpadding", Fp8Unpadding),
+              create=True, check_signature=False)]

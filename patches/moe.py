@@ -161,7 +161,8 @@ class _StackExpertWeights(torch.autograd.Function):
 def grouped_linear_classes(backend):
     """(column, row) grouped-linear builders for core_v0.17+'s TEGroupedMLP on the backend's
     grouped_gemm op, with the constructor, forward and checkpoint layout of TE's
-    TEColumnParallelGroupedLinear / TERowParallelGroupedLinear (no FP8; delay_wgrad_compute's backward_dw: patches/delayed_wgrad)."""
+    TEColumnParallelGroupedLinear / TERowParallelGroupedLinear (fp8 through the backend's
+    fp8_grouped_gemm inside an fp8 context; delay_wgrad_compute's backward_dw: patches/delayed_wgrad)."""
     if backend.name not in _linears:
         _linears[backend.name] = _grouped_linear_classes(backend)
     return _linears[backend.name]
@@ -175,6 +176,7 @@ def _grouped_linear_classes(backend):
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
     from megatron_adapt.patches.delayed_wgrad import DelayedWgradGroupedGemm, DelayedWgradGroupedMixin, delayed
+    from megatron_adapt.patches.fp8 import active_recipe
 
     grouped_gemm, grouped_wgrad = backend.op("grouped_gemm"), backend.op("grouped_gemm_wgrad")
 
@@ -184,8 +186,8 @@ def _grouped_linear_classes(backend):
 
         parallel_mode = None  # "column" / "row" in the subclasses
         # TE's flag (Megatron's set_save_original_input, e.g. for --offload-modules expert_fc1):
-        # keep the bf16 input, not an fp8 copy, for the backward. These linears have no fp8 path,
-        # so they always keep the original input; the attribute is what Megatron checks for.
+        # keep the bf16 input, not an fp8 copy, for the backward. These linears always keep the
+        # original input (their fp8 path too); the attribute is what Megatron checks for.
         save_original_input = False
 
         def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
@@ -199,8 +201,18 @@ def _grouped_linear_classes(backend):
                     "overlap_dispatch_backward_with_experts_wgrad=True needs TE's grouped linear "
                     "(its dispatch-overlapped wgrad pass); megatron-adapt's grouped linear serves "
                     "delay_wgrad_compute's backward_dw only")
-            if config.fp8 or getattr(config, "fp4", None):
-                raise NotImplementedError("FP8/FP4 expert GEMMs are Transformer Engine's")
+            if getattr(config, "fp4", None):
+                raise NotImplementedError("FP4 expert GEMMs are Transformer Engine's")
+            # fp8: the backend's fp8_grouped_gemm inside Megatron's fp8 context (patches/fp8)
+            self._fp8_gemm = None
+            if config.fp8:
+                if "fp8_grouped_gemm" not in backend.ops:
+                    raise NotImplementedError(f"fp8 expert GEMMs: the {backend.name} backend serves no "
+                                              f"fp8 grouped GEMM")
+                if delayed(config):
+                    raise NotImplementedError("fp8 expert GEMMs with --delay-wgrad-compute are not served "
+                                              "(the delayed weight gradients run in bf16)")
+                self._fp8_gemm = backend.op("fp8_grouped_gemm")
             self.config, self.num_gemms = config, num_gemms
             if pg_collection is None:
                 pg_collection = ProcessGroupCollection.use_mpu_process_groups(
@@ -246,7 +258,10 @@ def _grouped_linear_classes(backend):
                 out = DelayedWgradGroupedGemm.apply(x, m_splits, (grouped_gemm, grouped_wgrad), self, fuse,
                                                     *weights)
             else:
-                out = grouped_gemm(x, _StackExpertWeights.apply(fuse, *weights), m_splits, True)
+                recipe = active_recipe() if self._fp8_gemm is not None else None
+                stacked = _StackExpertWeights.apply(fuse, *weights)
+                out = (grouped_gemm(x, stacked, m_splits, True) if recipe is None
+                       else self._fp8_gemm(x, stacked, m_splits, recipe))
             if not self.use_bias:
                 return out, None
             biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
@@ -335,13 +350,14 @@ def grouped_experts_class(backend):
     column, row = grouped_linear_classes(backend)
 
     class AdaptGroupedExperts:
-        """With config.add_bias_linear: TEGroupedMLP on the backend's grouped linears (TE's module
-        tree, parameter names and checkpoint layout; biases served); without: Megatron's GroupedMLP
+        """With config.add_bias_linear or config.fp8: TEGroupedMLP on the backend's grouped linears
+        (TE's module tree, parameter names and checkpoint layout; biases and fp8 served; the
+        legacy GroupedMLP has neither); otherwise Megatron's GroupedMLP
         (one [E*in, out] weight per linear, its forward on the backend's grouped_gemm). The spec is
         built before the config exists, so the choice is made here, at construction."""
 
         def __new__(cls, num_local_experts, config, submodules=None, pg_collection=None):
-            if config.add_bias_linear:
+            if config.add_bias_linear or config.fp8:
                 act = getattr(submodules, "activation_func", None)
                 return TEGroupedMLP(num_local_experts, config,
                                     MLPSubmodules(linear_fc1=column, linear_fc2=row, activation_func=act),

@@ -18,11 +18,16 @@
 #               captured whole (docs/moe.md "CUDA graphs": dropless MoE cannot be, and the partial
 #               MoE scopes build no graph on GPT's layer under the local implementation).
 #   (e) stock_capacity (not in the default RUNS): (a) with (c)'s two capacity flags.
+#   (f) adapt_fp8 (not in the default RUNS): (b) plus --fp8-format $FP8_FORMAT --fp8-recipe
+#               $FP8_RECIPE: dense linears and the grouped experts in fp8 (docs/fp8.md). No stock fp8
+#               run: stock Megatron without TE refuses MoE in fp8 ("requires TE").
+#   (g) adapt_fp8_graphs (not in the default RUNS): (d) in fp8, as (f).
 # Model (issue 13): 16 layers, hidden 2048, 16 heads, 8 experts top-2, expert ffn 2816, alltoall
 # dispatcher, aux loss 1e-2, seq 2048, micro-batch 2, global batch 8, vocab 32000, bf16, RMSNorm,
 # SwiGLU, RoPE, untied embeddings, no linear biases.
 # Usage: MEGATRON_LM_PATH=/path/to/Megatron-LM scripts/bench_moe.sh OUTDIR
 # Env: ITERS [30] WARMUP [10] PEAK_TFLOPS [989] RUNS ["stock adapt"] EXTRA_ARGS [""] (every run)
+#      FP8_FORMAT [hybrid] FP8_RECIPE [tensorwise] for the fp8 runs
 #      RUN_TIMEOUT [0: none] seconds per run; a run that fails or times out is reported and left
 #      out of the summary, the other runs still count
 #      NPROC [1] GPUs (torchrun --nproc-per-node), EP [1] --expert-model-parallel-size (e.g. NPROC=2
@@ -54,6 +59,7 @@ STOCK_FLAGS=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm
              --no-masked-softmax-fusion --no-gradient-accumulation-fusion)
 ADAPT_FLAGS=(--moe-grouped-gemm --moe-permute-fusion --moe-router-fusion)
 CAPACITY=(--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity)
+FP8=(--fp8-format "${FP8_FORMAT:-hybrid}" --fp8-recipe "${FP8_RECIPE:-tensorwise}")
 ALL_BUT_MOE=jit,rng,training,cross_entropy,norms,softmax,attention,rope,activations,optimizer,checkpointing,multi_tensor,grad_accum_fusion,layer_specs,startup_report,device
 if command -v megatron-adapt-run >/dev/null; then ADAPT=(megatron-adapt-run); else ADAPT=(python3 -m megatron_adapt.launcher); fi
 TORCHRUN=(timeout "$RUN_TIMEOUT" python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port 29561)
@@ -96,6 +102,8 @@ for run in $RUNS; do
         adapt)          adapt_run adapt -- ;;
         adapt_capacity) adapt_run adapt_capacity -- "${CAPACITY[@]}" ;;
         adapt_graphs)   adapt_run adapt_graphs MEGATRON_ADAPT_CUDA_GRAPHS=local -- "${CAPACITY[@]}" ;;
+        adapt_fp8)      adapt_run adapt_fp8 -- "${FP8[@]}" ;;
+        adapt_fp8_graphs) adapt_run adapt_fp8_graphs MEGATRON_ADAPT_CUDA_GRAPHS=local -- "${CAPACITY[@]}" "${FP8[@]}" ;;
         *) echo "unknown run $run" >&2; exit 2 ;;
     esac && DONE+=("$run") || echo "run $run failed (rc $?): tail of $OUTDIR/$run.log" >&2
     [[ " ${DONE[*]} " == *" $run "* ]] || tail -30 "$OUTDIR/$run.log" >&2

@@ -367,3 +367,213 @@ class _HighPrecisionLinear(torch.autograd.Function):
                 dw = torch.matmul(dy2.t(), x2).to(weight.dtype)
         db = dy2.sum(0) if ctx.use_bias else None
         return dx, dw, db, None
+
+
+# ---------------------------------------------------------------- grouped (MoE experts)
+GROUP_ALIGN = 16   # every expert's rows a multiple of 16 (Megatron pads them: Fp8Padding)
+
+
+def grouped_unavailable(device=None) -> str | None:
+    """None where torch's grouped fp8 GEMM runs (sm90: the rowwise-scaled CUTLASS kernel), else why."""
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) not in ((9, 0), (10, 0)):
+            return (f"{torch.cuda.get_device_name(device)} is sm{major}{minor}; torch._scaled_grouped_mm "
+                    f"runs on sm90 (Hopper) and sm100 only")
+    return None
+
+
+if triton is not None:
+    @triton.jit
+    def _rows_kernel(x_ptr, y_ptr, s_ptr, C, FP8_MAX: tl.constexpr, BC: tl.constexpr):
+        """One row of a contiguous [R, C]: its amax, then the cast with scale = FP8_MAX / amax."""
+        base = tl.program_id(0).to(tl.int64) * C
+        acc = tl.zeros([BC], dtype=tl.float32)
+        for c0 in range(0, C, BC):
+            cols = c0 + tl.arange(0, BC)
+            acc = tl.maximum(acc, tl.abs(tl.load(x_ptr + base + cols, mask=cols < C, other=0.0).to(tl.float32)))
+        amax = tl.max(acc, 0)
+        ok = (amax > 0.0) & (amax < float("inf"))
+        s = tl.where(ok, FP8_MAX / tl.where(ok, amax, 1.0), 1.0)
+        for c0 in range(0, C, BC):
+            cols = c0 + tl.arange(0, BC)
+            v = tl.load(x_ptr + base + cols, mask=cols < C, other=0.0).to(tl.float32)
+            y = tl.minimum(tl.maximum(v * s, -FP8_MAX), FP8_MAX)
+            tl.store(y_ptr + base + cols, y.to(y_ptr.dtype.element_ty), mask=cols < C)
+        tl.store(s_ptr + tl.program_id(0), 1.0 / s)
+
+    @triton.jit
+    def _group_columns_kernel(x_ptr, y_ptr, s_ptr, ends_ptr, C, stride_oc, group_shift,
+                              FP8_MAX: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+        """Rows ends[g-1]..ends[g] of a contiguous [R, C], columns of one block: the amax of each
+        column over the group's rows, then the cast stored transposed, element (r, c) of group g at
+        c * stride_oc + r + g * group_shift; scale_inv of (g, c) at g * C + c."""
+        g = tl.program_id(0)
+        r0 = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
+        r1 = tl.load(ends_ptr + g)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        cm = cols < C
+        acc = tl.zeros([BC], dtype=tl.float32)
+        for t0 in range(r0, r1, BT):
+            rows = t0 + tl.arange(0, BT)
+            m = (rows[:, None] < r1) & cm[None, :]
+            v = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0)
+            acc = tl.maximum(acc, tl.max(tl.abs(v.to(tl.float32)), 0))
+        ok = (acc > 0.0) & (acc < float("inf"))
+        s = tl.where(ok, FP8_MAX / tl.where(ok, acc, 1.0), 1.0)
+        for t0 in range(r0, r1, BT):
+            rows = t0 + tl.arange(0, BT)
+            m = (rows[:, None] < r1) & cm[None, :]
+            v = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0)
+            y = tl.minimum(tl.maximum(v.to(tl.float32) * s[None, :], -FP8_MAX), FP8_MAX)
+            out = cols[None, :].to(tl.int64) * stride_oc + rows[:, None] + g.to(tl.int64) * group_shift
+            tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=m)
+        tl.store(s_ptr + g * C + cols, 1.0 / s, mask=cm)
+
+
+def _group_columns_triton(x, ends, num_groups, dtype, stride_oc, group_shift, out_shape):
+    y = torch.empty(out_shape, dtype=dtype, device=x.device)
+    s_inv = torch.empty(num_groups * x.shape[1], dtype=torch.float32, device=x.device)
+    bt, bc = (16, 16) if interpreting() else (64, 64)
+    _group_columns_kernel[(num_groups, cdiv(x.shape[1], bc))](
+        x, y, s_inv, ends, x.shape[1], stride_oc, group_shift, FP8_MAX=FP8_MAX[dtype], BT=bt, BC=bc, num_warps=4)
+    return y, s_inv
+
+
+def quantize_rowwise(t: torch.Tensor, dtype: torch.dtype):
+    """t [..., C] -> (t8 [..., C] contiguous, scale_inv [...] fp32): one current scale per row (the
+    amax of the row along C, the GEMM's reduction). One Triton pass on CUDA tensors."""
+    if _triton_here(t):
+        t = t.contiguous()
+        y = torch.empty(t.shape, dtype=dtype, device=t.device)
+        s_inv = torch.empty(t.shape[:-1], dtype=torch.float32, device=t.device)
+        c = t.shape[-1]
+        _rows_kernel[(t.numel() // c,)](t, y, s_inv, c, FP8_MAX=FP8_MAX[dtype],
+                                        BC=32 if interpreting() else 1024, num_warps=4)
+        return y, s_inv
+    fp8_max = FP8_MAX[dtype]
+    tf = t.float()
+    scale = current_scale(tf.abs().amax(-1), fp8_max)
+    t8 = (tf * scale[..., None]).clamp_(-fp8_max, fp8_max).to(dtype).contiguous()
+    return t8, scale.reciprocal()
+
+
+def quantize_group_columns(t: torch.Tensor, groups: torch.Tensor, num_groups: int, dtype: torch.dtype,
+                           ends: torch.Tensor | None = None):
+    """t [T, C], rows grouped by expert (groups [T] int64; ends: the int32 end offsets) -> (t8^T
+    [C, T] contiguous, scale_inv [E * C] fp32): one scale per (expert, column), the amax over that
+    expert's rows: the operand layout of the wgrad GEMM, whose reduction runs over each expert's
+    tokens. One Triton kernel (two passes over each block) on CUDA tensors."""
+    if ends is not None and _triton_here(t):
+        t = t.contiguous()
+        return _group_columns_triton(t, ends, num_groups, dtype, t.shape[0], 0, (t.shape[1], t.shape[0]))
+    fp8_max = FP8_MAX[dtype]
+    tf = t.float()
+    amax = tf.new_zeros(num_groups, t.shape[1]).scatter_reduce_(
+        0, groups[:, None].expand(-1, t.shape[1]), tf.abs(), "amax")
+    scale = current_scale(amax, fp8_max)
+    t8 = (tf * scale.index_select(0, groups)).clamp_(-fp8_max, fp8_max).to(dtype)
+    return t8.t().contiguous(), scale.reciprocal().reshape(-1)
+
+
+def quantize_weight_columns(w: torch.Tensor, dtype: torch.dtype):
+    """w [E, N, K] -> (w^T 8 [E, K, N] contiguous, scale_inv [E, K]): one scale per (expert, input
+    channel), the dgrad GEMM's operand. The group-columns kernel with every expert N rows."""
+    e, n, k = w.shape
+    if _triton_here(w):
+        ends = torch.arange(n, e * n + 1, n, device=w.device, dtype=torch.int32)
+        y, s_inv = _group_columns_triton(w.contiguous().view(e * n, k), ends, e, dtype, n, k * n - n, (e, k, n))
+        return y, s_inv.view(e, k)
+    return quantize_rowwise(w.transpose(-2, -1), dtype)
+
+
+def _grouped_scaled_mm(a, b, sa, sb, offs, out_dtype, fast_accum):
+    """torch._scaled_grouped_mm on a GPU. On CPU tensors (tests) the same product from the
+    dequantized operands: torch's CPU build has no grouped fp8 GEMM.
+    2d x 3d: a [T, K] rows grouped, b [E, K, N], sa [T], sb [E, N] -> [T, N];
+    2d x 2d: a [M, T], b [T, N], groups along T, sa [E * M], sb [E * N] -> [E, M, N]."""
+    if a.is_cuda:
+        return torch._scaled_grouped_mm(a, b, sa, sb, offs=offs, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    ends = [0] + offs.tolist()
+    if b.dim() == 3:
+        out = a.new_empty(a.shape[0], b.shape[-1], dtype=out_dtype)
+        for e, (r0, r1) in enumerate(zip(ends, ends[1:])):
+            out[r0:r1] = ((a[r0:r1].float() * sa[r0:r1, None]) @ (b[e].float() * sb[e][None, :])).to(out_dtype)
+        return out
+    m, n = a.shape[0], b.shape[1]
+    out = a.new_empty(len(ends) - 1, m, n, dtype=out_dtype)
+    for e, (r0, r1) in enumerate(zip(ends, ends[1:])):
+        out[e] = ((a[:, r0:r1].float() * sa[e * m:(e + 1) * m, None])
+                  @ (b[r0:r1].float() * sb[e * n:(e + 1) * n][None, :])).to(out_dtype)
+    return out
+
+
+class _Fp8GroupedLinear(torch.autograd.Function):
+    """y_e = x_e @ w[e]^T for each expert's rows, w [E, out, in] (TE's weight layout), all three GEMMs
+    rowwise-scaled e4m3: forward x per token and w per (expert, output channel); dgrad dy per token
+    and w per (expert, input channel); wgrad dy and x per (expert, column) over the expert's tokens.
+    torch's grouped fp8 GEMM on sm90 takes e4m3 operands only, so gradients are e4m3 in every format
+    (a scale per row keeps their range). The GEMMs write bf16 (the kernel's only output type),
+    cast to the input's and weight's dtypes."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs, groups, fp8_wgrad):
+        e4m3 = torch.float8_e4m3fn
+        x8, sx = quantize_rowwise(x, e4m3)
+        w8, sw = quantize_rowwise(w, e4m3)
+        y = _grouped_scaled_mm(x8, w8.transpose(-2, -1), sx, sw, offs, torch.bfloat16, True).to(x.dtype)
+        ctx.save_for_backward(x, w, offs, groups)
+        ctx.fp8_wgrad = fp8_wgrad
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, offs, groups = ctx.saved_tensors
+        e4m3 = torch.float8_e4m3fn
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dy8, sdy = quantize_rowwise(dy, e4m3)
+            wt8, swt = quantize_weight_columns(w, e4m3)      # [E, in, out], per (expert, in)
+            dx = _grouped_scaled_mm(dy8, wt8.transpose(-2, -1), sdy, swt, offs, torch.bfloat16, False).to(dy.dtype)
+        if ctx.needs_input_grad[1]:
+            if ctx.fp8_wgrad:
+                num = w.shape[0]
+                dyt8, sdyt = quantize_group_columns(dy, groups, num, e4m3, offs)    # [out, T]
+                xt8, sxt = quantize_group_columns(x, groups, num, e4m3, offs)       # [in, T]
+                dw = _grouped_scaled_mm(dyt8, xt8.t(), sdyt, sxt, offs, torch.bfloat16, False).to(w.dtype)
+            elif dy.is_cuda and dy.dtype == torch.bfloat16:
+                dw = torch._grouped_mm(dy.t(), x, offs=offs)
+            else:
+                ends = [0] + offs.tolist()
+                dw = torch.stack([dy[a:b].t().float() @ x[a:b].float() for a, b in zip(ends, ends[1:])]).to(w.dtype)
+        return dx, dw, None, None, None
+
+
+def fp8_grouped_gemm(x, w, tokens_per_expert, recipe):
+    """y [T, out] = each expert's rows of x [T, in] times w[e]^T, w [E, out, in], in fp8 (see
+    _Fp8GroupedLinear). tokens_per_expert: host ints (Megatron's m_splits); every group a multiple of
+    16 rows (Megatron's Fp8Padding), in_features and out_features multiples of 16; otherwise a
+    reported bf16 grouped GEMM."""
+    from .moe import group_offsets, grouped_gemm
+
+    sizes = [int(n) for n in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
+                              else tokens_per_expert)]
+    odd = [n for n in sizes if n % GROUP_ALIGN]
+    why = (grouped_unavailable(x.device) if x.is_cuda else None)
+    if why is None and odd:
+        why = f"expert row counts {odd[:4]} not multiples of {GROUP_ALIGN}"
+    if why is None and (x.shape[1] % GROUP_ALIGN or w.shape[1] % GROUP_ALIGN):
+        why = f"in_features={x.shape[1]}, out_features={w.shape[1]} not multiples of {GROUP_ALIGN}"
+    if why is not None:
+        report.fell_back("fp8_grouped_gemm", f"{x.dtype} grouped GEMM (not fp8)", why)
+        return grouped_gemm(x, w, sizes, True)
+    report.ran("fp8_grouped_gemm", f"{'cuda' if x.is_cuda else x.device.type}.scaled_grouped_mm"
+                                   f"(e4m3, rowwise; recipe {recipe.recipe} read as rowwise)")
+    offs = group_offsets(sizes, x.device)
+    # each row's expert, by device kernels alone (a CUDA graph may be capturing)
+    groups = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=torch.int32),
+                                right=True).long()
+    return _Fp8GroupedLinear.apply(x.contiguous(), w, offs, groups, bool(recipe.wgrad))

@@ -360,3 +360,118 @@ def test_blockwise_kernels_equal_the_pytorch_quantizers(dtype, layout, monkeypat
     # elements), ties and in the subnormals (module doc): there most elements are equal; a wrong
     # scale, layout or stride would leave almost none equal
     assert (got == ref).float().mean() > 0.9, float((got == ref).float().mean())
+
+
+# ---------------------------------------------------------------- grouped (MoE experts)
+def _grouped_reference(x, w, sizes, dy):
+    """fp32 per-expert products and their gradients (experts with no rows: zero weight gradient)."""
+    xr, wr = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ends = [0]
+    for n in sizes:
+        ends.append(ends[-1] + n)
+    y = torch.cat([xr[a:b] @ wr[e].t() for e, (a, b) in enumerate(zip(ends, ends[1:]))])
+    y.backward(dy.float())
+    return y, xr.grad, wr.grad
+
+
+def _grouped_capable():
+    if DEV == "cuda" and fp8.grouped_unavailable() is not None:
+        pytest.skip(fp8.grouped_unavailable())
+
+
+@pytest.mark.parametrize("sizes", [[32, 0, 48, 16], [64, 64, 64, 64], [16, 112, 0, 0]])
+@pytest.mark.parametrize("wgrad", [True, False])
+def test_grouped_forward_dgrad_wgrad(torch_cast_on_cpu, sizes, wgrad):
+    """The experts' fp8 grouped linear against the fp32 product per expert: forward, dgrad and wgrad
+    within e4m3's error with a scale per row, empty experts' weight gradients exactly zero, and
+    --no-fp8-wgrad keeping the weight gradient in bf16 (nearer the reference)."""
+    _grouped_capable()
+    torch.manual_seed(5)
+    e, n, k = len(sizes), 96, 128
+    x = torch.randn(sum(sizes), k, device=DEV).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(e, n, k, device=DEV) * 0.05).to(torch.bfloat16).requires_grad_()
+    report.reset_op_counts()
+    y = fp8.fp8_grouped_gemm(x, w, sizes, Fp8Recipe(wgrad=wgrad))
+    assert y.dtype == torch.bfloat16 and y.shape == (sum(sizes), n)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    yr, dxr, dwr = _grouped_reference(x, w, sizes, dy)
+    rel = lambda a, b: float((a.detach().float() - b.detach()).norm() / b.detach().norm())  # noqa: E731
+    assert rel(y, yr) < 0.05 and rel(x.grad, dxr) < 0.05, (rel(y, yr), rel(x.grad, dxr))
+    assert rel(w.grad, dwr) < (0.05 if wgrad else 0.01), rel(w.grad, dwr)
+    for i, size in enumerate(sizes):
+        if size == 0:
+            assert not w.grad[i].any()
+    impls = report.op_counts()["fp8_grouped_gemm"]
+    assert list(impls) == [f"{DEV}.scaled_grouped_mm(e4m3, rowwise; recipe tensorwise read as rowwise)"], impls
+
+
+def test_grouped_operands_equal_the_emulation(torch_cast_on_cpu):
+    """Each of the three grouped GEMMs (on a GPU: torch._scaled_grouped_mm, CUTLASS) against the
+    fp32 product of the same dequantized operands: the scale layouts read as meant (per row, per
+    (expert, output channel), per (expert, column) over the expert's tokens)."""
+    _grouped_capable()
+    torch.manual_seed(6)
+    sizes, n, k = [48, 16, 0, 64], 160, 256
+    e, t = len(sizes), sum(sizes)
+    offs = torch.tensor(sizes, device=DEV).cumsum(0).to(torch.int32)
+    groups = torch.repeat_interleave(torch.arange(e, device=DEV), torch.tensor(sizes, device=DEV))
+    x, dy = torch.randn(t, k, device=DEV), torch.randn(t, n, device=DEV)
+    w = torch.randn(e, n, k, device=DEV)
+    x8, sx = fp8.quantize_rowwise(x, E4)
+    w8, sw = fp8.quantize_rowwise(w, E4)
+    got = fp8._grouped_scaled_mm(x8, w8.transpose(-2, -1), sx, sw, offs, torch.bfloat16, True).float()
+    deq_x, deq_w = x8.float() * sx[:, None], w8.float() * sw[..., None]
+    ref = torch.cat([deq_x[groups == i] @ deq_w[i].t() for i in range(e)])
+    assert float((got - ref).norm() / ref.norm()) < 5e-3
+    dyt8, sdyt = fp8.quantize_group_columns(dy, groups, e, E4)
+    xt8, sxt = fp8.quantize_group_columns(x, groups, e, E4)
+    got = fp8._grouped_scaled_mm(dyt8, xt8.t(), sdyt, sxt, offs, torch.bfloat16, False).float()
+    deq_dy = dyt8.float().t() * sdyt.view(e, n)[groups]
+    deq_x = xt8.float().t() * sxt.view(e, k)[groups]
+    ref = torch.stack([deq_dy[groups == i].t() @ deq_x[groups == i] for i in range(e)])
+    assert float((got - ref).norm() / ref.norm()) < 5e-3
+    assert not got[2].any()
+
+
+def test_grouped_unaligned_rows_fall_back_reported():
+    """Megatron pads every expert's rows to 16 under fp8 (Fp8Padding); rows that are not padded
+    run the bf16 grouped GEMM, reported with the reason."""
+    report.reset_op_counts()
+    x = torch.randn(40, 64, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(2, 32, 64, device=DEV, dtype=torch.bfloat16)
+    fp8.fp8_grouped_gemm(x, w, [24, 16], Fp8Recipe())
+    fb = [o for o in report.as_dict()["ops"] if o["op"] == "fp8_grouped_gemm" and o["fallback_reason"]]
+    assert fb and "expert row counts [24] not multiples of 16" in fb[-1]["fallback_reason"], fb
+
+
+@pytest.mark.skipif(fp8.triton is None, reason="Triton is not installed")
+@pytest.mark.parametrize("which", ["rows", "group columns", "weight columns"])
+def test_grouped_quantizer_kernels_equal_the_pytorch_quantizers(which, monkeypatch):
+    """The Triton quantizers of the grouped linear against the same math in PyTorch: the same
+    scales (to an ulp of the reciprocal), every fp8 element equal to torch's cast (under the
+    interpreter, but for its two known rounding errors)."""
+    if DEV == "cpu" and not fp8.interpreting():
+        pytest.skip("the kernels run on CPU under TRITON_INTERPRET=1 only")
+    torch.manual_seed(8)
+    sizes, c = [40, 0, 17, 64], 80
+    x = torch.randn(sum(sizes), c, device=DEV, dtype=torch.bfloat16) * 3
+    ends = torch.tensor(sizes, device=DEV).cumsum(0).to(torch.int32)
+    groups = torch.repeat_interleave(torch.arange(len(sizes), device=DEV), torch.tensor(sizes, device=DEV))
+    w = torch.randn(3, 48, c, device=DEV, dtype=torch.bfloat16)
+    run = {"rows": lambda: fp8.quantize_rowwise(w, E4),
+           "group columns": lambda: fp8.quantize_group_columns(x, groups, len(sizes), E4, ends),
+           "weight columns": lambda: fp8.quantize_weight_columns(w, E4)}[which]
+    got8, got_s = run()
+    monkeypatch.setattr(fp8, "triton", None)            # the PyTorch path
+    ref8, ref_s = run()
+    assert got8.shape == ref8.shape and got8.dtype == ref8.dtype and got_s.shape == ref_s.shape
+    torch.testing.assert_close(got_s, ref_s, rtol=1e-6, atol=0)
+    got, ref = got8.float(), ref8.float()
+    if DEV == "cuda":   # as the blockwise kernels' test: a scale an ulp off moves an element one step at most
+        step = torch.where(ref != 0, ref.abs() * 2.0 ** -3, torch.full_like(ref, 2.0 ** -9))
+        assert ((got - ref).abs() <= step).all() and (got != ref).float().mean() < 1e-3, int((got != ref).sum())
+        return
+    # the interpreter's known rounding errors (module doc) touch a few % of the elements; a wrong
+    # scale, layout or group boundary would leave almost none equal
+    assert (got == ref).float().mean() > 0.9, float((got == ref).float().mean())

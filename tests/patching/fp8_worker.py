@@ -2,9 +2,10 @@
 
     python fp8_worker.py refusal      the cpu backend refuses TransformerConfig(fp8=...)
     python fp8_worker.py train        GPTModel from Megatron's TE layer spec with fp8 set
+    python fp8_worker.py moe          the same with MoE experts (--moe-grouped-gemm) in fp8
 
-`train` needs an fp8 GEMM, which the cpu backend does not serve. It lends the cpu backend the
-cuda backend's own `fp8_linear` (torch's CPU build has `torch._scaled_mm` for float8, so the
+`train` and `moe` need fp8 GEMMs, which the cpu backend does not serve. It lends the cpu backend the
+cuda backend's own `fp8_linear` and `fp8_grouped_gemm` (torch's CPU build has `torch._scaled_mm` for float8, so the
 cuda op runs on CPU tensors) and an `fp8_unavailable` answering None: everything Megatron-facing
 (the config check, get_fp8_context, the provider's linears, gradient-accumulation fusion, the
 extra state) runs as on a GPU; only the GEMMs run on the CPU.
@@ -28,11 +29,12 @@ import megatron_adapt  # noqa: E402
 from megatron_adapt import report  # noqa: E402
 
 scenario = sys.argv[1]
-if scenario == "train":
+if scenario in ("train", "moe"):
     from megatron_adapt.backends import cpu as cpu_backend
     from megatron_adapt.backends.cuda import fp8 as cuda_fp8
 
     cpu_backend.BACKEND.ops["fp8_linear"] = "megatron_adapt.backends.cuda.fp8:fp8_linear"
+    cpu_backend.BACKEND.ops["fp8_grouped_gemm"] = "megatron_adapt.backends.cuda.fp8:fp8_grouped_gemm"
     cpu_backend.BACKEND._loaded["fp8_unavailable"] = lambda recipe=None: None
     assert cpu_backend.BACKEND.op("fp8_linear") is cuda_fp8.fp8_linear
 
@@ -147,6 +149,56 @@ def train():
     out["report_impls"] = sorted(report.op_counts().get("fp8_linear", {}))
 
 
+def moe():
+    """MoE experts in fp8: TEGroupedMLP on megatron-adapt's grouped linears, Megatron's fp8 padding
+    (Fp8Padding / Fp8Unpadding served without TE) and the backend's fp8_grouped_gemm."""
+    dist.init_process_group("nccl")
+    parallel_state.initialize_model_parallel(1, 1)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    moe_kw = dict(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True, add_bias_linear=False,
+                  moe_token_dispatcher_type="alltoall", moe_ffn_hidden_size=128, gated_linear_unit=True,
+                  activation_func=torch.nn.functional.silu, moe_router_load_balancing_type="none")
+    torch.manual_seed(1234)
+    tokens = torch.randint(0, 128, (2, 32))
+    pos = torch.arange(32).unsqueeze(0).expand(2, -1)
+    labels = torch.randint(0, 128, (2, 32))
+
+    def build(**kw):
+        torch.manual_seed(0)
+        model_parallel_cuda_manual_seed(0)
+        config = TransformerConfig(**{**BASE, **moe_kw, **kw})
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+        return GPTModel(config, spec, vocab_size=128, max_sequence_length=32)
+
+    # the reference: the same module tree (TEGroupedMLP, whose parameter names differ from the
+    # GroupedMLP a bf16 build without biases gets on 0.15-0.16) with fp8 off at run time
+    ref = build(fp8="hybrid", fp8_recipe="tensorwise")
+    ref.config.fp8 = None
+    ref_loss, ref_grads = step(ref, tokens, pos, labels, False)
+    out["moe_ref_calls"] = sum(report.op_counts().get("fp8_grouped_gemm", {}).values())
+    for recipe, main_grad in (("tensorwise", False), ("delayed", True)):
+        m = build(fp8="hybrid", fp8_recipe=recipe, gradient_accumulation_fusion=main_grad)
+        m.load_state_dict(ref.state_dict(), strict=False)
+        before = dict(report.op_counts().get("fp8_grouped_gemm", {}))
+        loss, grads = step(m, tokens, pos, labels, main_grad)
+        after = report.op_counts().get("fp8_grouped_gemm", {})
+        experts = m.decoder.layers[0].mlp.experts
+        expert_w = [n for n in ref_grads if "experts" in n and "weight" in n]
+        out[f"moe_{recipe}"] = {
+            "experts": type(experts).__name__,
+            "linears": sorted({type(experts.linear_fc1).__name__, type(experts.linear_fc2).__name__}),
+            "padding": type(experts.quantization_padding).__module__ if hasattr(experts, "quantization_padding")
+                       else type(getattr(experts, "fp8_padding", None)).__module__,
+            "calls": {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)},
+            "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
+            "expert_grad_rel_max": max(rel(grads[n], ref_grads[n]) for n in expert_w),
+            "expert_grads": len(expert_w),
+        }
+    out["moe_fallbacks"] = {o["implementation"]: o["fallback_reason"] for o in report.as_dict()["ops"]
+                            if "grouped" in o["op"] and o["fallback_reason"]}
+
+
 def graphs(first_last_bf16, tokens, pos, labels):
     """What Megatron's local CUDA graphs ask TE's FP8GlobalStateManager, save_fp8_tensors and
     restore_fp8_tensors, and the context a runner captures in, as its code calls them."""
@@ -193,5 +245,5 @@ def graphs(first_last_bf16, tokens, pos, labels):
     }
 
 
-{"refusal": refusal, "train": train}[scenario]()
+{"refusal": refusal, "train": train, "moe": moe}[scenario]()
 print("PROBE-JSON:" + json.dumps(out))

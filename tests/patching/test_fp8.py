@@ -66,12 +66,32 @@ class TestFp8ThroughMegatron:
                                                      "te_delayed": False, "runtime_enabled": True}, g
 
 
+    def test_moe_experts_in_fp8_through_megatron(self):
+        """--num-experts with --moe-grouped-gemm in fp8: Megatron's TEGroupedMLP (its fp8 padding
+        served without TE) on megatron-adapt's grouped linears, one fp8 grouped GEMM per linear."""
+        res = worker("moe")
+        assert res["moe_ref_calls"] == 0                     # fp8 off at run time: bf16 grouped GEMM
+        assert res["moe_fallbacks"] == {}, res["moe_fallbacks"]  # every expert's rows padded to 16
+        for recipe in ("tensorwise", "delayed"):
+            r = res[f"moe_{recipe}"]
+            assert r["experts"] == "TEGroupedMLP" and r["padding"] == "megatron_adapt.patches.fp8", r
+            assert r["linears"] == ["AdaptColumnParallelGroupedLinear", "AdaptRowParallelGroupedLinear"], r
+            assert r["calls"] == {f"cpu.scaled_grouped_mm(e4m3, rowwise; recipe {recipe} read as rowwise)": 6}, r
+            assert r["loss_rel"] < 2e-3, r
+            assert r["expert_grads"] == 24 and 1e-3 < r["expert_grad_rel_max"] < 0.35, r
+
+
 @pytest.mark.parametrize("settings,expected", [
     ({"fp8": "hybrid", "fp8_recipe": "blockwise"}, None),
     ({"fp8": "hybrid", "fp8_recipe": "mxfp8"}, "--fp8-format hybrid --fp8-recipe mxfp8: the cuda backend serves the tensorwise, delayed and blockwise recipes only (mxfp8 needs the MX block-scaled GEMMs of sm100"),
     ({"fp8": "hybrid", "fp8_recipe": "custom"}, "--fp8-recipe custom"),
     ({"fp8": "hybrid", "fp8_recipe": "tensorwise", "fp8_param_gather": True}, "--fp8-param-gather: the cuda backend keeps parameters in bf16"),
-    ({"fp8": "e4m3", "fp8_recipe": "delayed", "num_experts": 8}, "--num-experts: the cuda backend has no fp8 grouped GEMM"),
+    ({"fp8": "e4m3", "fp8_recipe": "delayed", "num_experts": 8, "moe_grouped_gemm": True}, None),
+    ({"fp8": "hybrid", "fp8_recipe": "tensorwise", "num_experts": 8}, "--num-experts 8: the cuda backend runs fp8 experts as one grouped GEMM per linear; without --moe-grouped-gemm Megatron builds SequentialMLP"),
+    ({"fp8": "hybrid", "fp8_recipe": "tensorwise", "num_experts": 8, "moe_grouped_gemm": True,
+      "moe_use_legacy_grouped_gemm": True}, "--moe-use-legacy-grouped-gemm builds Megatron's legacy GroupedMLP, which has no fp8 path"),
+    ({"fp8": "hybrid", "fp8_recipe": "tensorwise", "num_experts": 8, "moe_grouped_gemm": True,
+      "delay_wgrad_compute": True}, "--delay-wgrad-compute: the cuda backend's fp8 expert GEMMs"),
     ({"fp8": "hybrid", "fp8_recipe": "delayed", "transformer_impl": "local"}, "--transformer-impl local"),
     ({"fp8": "hybrid", "fp8_recipe": "tensorwise", "fp8_dot_product_attention": True}, "--fp8-dot-product-attention"),
     ({"fp4": "e2m1"}, "--fp4-format e2m1: the cuda backend cannot run it"),
@@ -91,7 +111,8 @@ def test_refusal_on_a_backend_that_runs_fp8(settings, expected):
     serves are still refused, each naming its flag; the served ones pass."""
     from megatron_adapt.patches.fp8 import fp8_refusal
 
-    backend = types.SimpleNamespace(name="cuda", op=lambda name: {"fp8_unavailable": lambda recipe=None: None}[name])
+    backend = types.SimpleNamespace(name="cuda", ops={"fp8_linear": "", "fp8_grouped_gemm": ""},
+                                    op=lambda name: {"fp8_unavailable": lambda recipe=None: None}[name])
     why = fp8_refusal(backend, settings)
     assert (why is None) if expected is None else (expected in why), why
 
