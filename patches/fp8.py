@@ -230,6 +230,28 @@ def _wgrad_sink(weight, fusion: bool):
     return sink
 
 
+def weight_cache(module, weights) -> dict | None:
+    """The module's fp8 weight cache, marked reusable (cache["hit"]) for this call or not: TE's
+    protocol, which Megatron drives. Its schedules set `is_first_microbatch` on every module that
+    has the attribute at the first micro-batch of each step (set_is_first_microbatch, under fp8);
+    the weights are quantized then and the copies reused by the step's later micro-batches. Never
+    reused while a CUDA graph is being captured (a replay must quantize the weights it reads), with
+    config.disable_parameter_transpose_cache, or when a weight's storage or version changed."""
+    if getattr(module.config, "disable_parameter_transpose_cache", False):
+        return None
+    cache = module._fp8_weight_cache
+    first, module.is_first_microbatch = module.is_first_microbatch, False
+    if weights[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        cache.clear()
+        return None
+    key = tuple((w.data_ptr(), w._version) for w in weights)
+    cache["hit"] = bool(not first and cache.get("key") == key and "q" in cache)
+    cache["key"] = key
+    if not cache["hit"]:
+        cache.pop("q", None)
+    return cache
+
+
 log = logging.getLogger("megatron_adapt")
 _said: set = set()
 
@@ -308,6 +330,8 @@ def fp8_variant(base, backend):
             self.fp8_scaling = Fp8Scaling(recipe_from_config(config),
                                           device=weight.device if weight is not None else None)
             self._fp8_op = backend.op("fp8_linear")
+            self.is_first_microbatch = True     # Megatron's flag for TE's fp8 weight cache
+            self._fp8_weight_cache = {}
 
         def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (Megatron's names)
             recipe = active_recipe()
@@ -341,7 +365,8 @@ def fp8_variant(base, backend):
             elif kwargs.get("allreduce_dgrad"):
                 x = copy_to_tensor_model_parallel_region(x, group=group)
             sink = _wgrad_sink(weight, bool(kwargs.get("gradient_accumulation_fusion")))
-            return self._fp8_op(x, weight, kwargs.get("bias"), scaling, sink)
+            cache = weight_cache(self, [weight])
+            return self._fp8_op(x, weight, kwargs.get("bias"), scaling, sink, weight_cache=cache)
 
         # TE's checkpoint layout: the scaling state in the module's _extra_state
         def get_extra_state(self):

@@ -141,16 +141,29 @@ def _wgrad(ctx, dy2, xs, fp8_gemm):
     return ctx.sink(dw) if ctx.sink is not None else dw
 
 
+def cached_weight(cache: dict | None, quantize_weight):
+    """The weight's fp8 operands: from `cache` where its owner marked them reusable (cache["hit"]:
+    Megatron's is_first_microbatch protocol, TE's fp8 weight cache: the weights have not changed
+    since the step's first micro-batch), else quantize_weight(), kept in the cache for the next."""
+    if cache is not None and cache.get("hit") and "q" in cache:
+        return cache["q"]
+    q = quantize_weight()
+    if cache is not None:
+        cache["q"] = q
+    return q
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, scaling, wgrad_sink):
+    def forward(ctx, x, weight, bias, scaling, wgrad_sink, weight_cache=None):
         r = scaling.recipe
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fp8_wgrad = need_wgrad and r.wgrad
         x8, x8t, sx_inv = quantize(x2, r.fwd_dtype, fp8_wgrad, scaling, "fwd", 0)
-        w8, w8t, sw_inv = quantize(weight, r.fwd_dtype, need_dgrad, scaling, "fwd", 1)
+        w8, w8t, sw_inv = cached_weight(weight_cache, lambda: quantize(weight, r.fwd_dtype, need_dgrad or weight_cache is not None,
+                                                                      scaling, "fwd", 1))
         y = _gemm(x8, w8.t(), sx_inv, sw_inv, x.dtype, True)
         if bias is not None:
             y = y + bias
@@ -177,7 +190,7 @@ class _Fp8Linear(torch.autograd.Function):
             db = dy2.sum(0)
         if r.recipe == "delayed":
             scaling.update("bwd")
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 # ---------------------------------------------------------------- blockwise (TE's Float8BlockScaling)
@@ -286,19 +299,22 @@ class _Fp8BlockLinear(torch.autograd.Function):
     1 x 128 along the tokens."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, scaling, wgrad_sink):
+    def forward(ctx, x, weight, bias, scaling, wgrad_sink, weight_cache=None):
         r = scaling.recipe
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         x8, sx = quantize_runs(x2, r.fwd_dtype)
-        w8, sw = quantize_blocks(weight, r.fwd_dtype)
+        w8, sw, w8t = cached_weight(weight_cache, lambda: (*quantize_blocks(weight, r.fwd_dtype), None))
         y = _block_gemm(x8, sx, w8, sw, x.dtype)
         if bias is not None:
             y = y + bias
         need_wgrad = ctx.needs_input_grad[1]
         fp8_wgrad = need_wgrad and r.wgrad
         xt8, sxt = quantize_runs(x2.t(), r.fwd_dtype) if fp8_wgrad else (None, None)
-        w8t = w8.t().contiguous() if ctx.needs_input_grad[0] else None
+        if w8t is None and ctx.needs_input_grad[0]:
+            w8t = w8.t().contiguous()
+            if weight_cache is not None:
+                weight_cache["q"] = (w8, sw, w8t)
         ctx.save_for_backward(xt8 if fp8_wgrad else (x2 if need_wgrad else None), sxt, w8t, sw)
         ctx.sink, ctx.fp8_wgrad, ctx.use_bias, ctx.bwd_dtype = wgrad_sink, fp8_wgrad, bias is not None, r.bwd_dtype
         ctx.x_shape, ctx.w_dtype = shape, weight.dtype
@@ -316,7 +332,7 @@ class _Fp8BlockLinear(torch.autograd.Function):
             dw = _wgrad(ctx, dy2, xs, lambda out: _block_gemm(*quantize_runs(dy2.t(), ctx.bwd_dtype), xs, sxt, out))
         if ctx.use_bias:
             db = dy2.sum(0)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def unsupported_shape(x: torch.Tensor, weight: torch.Tensor, align: int = ALIGN) -> str | None:
@@ -331,8 +347,9 @@ def unsupported_shape(x: torch.Tensor, weight: torch.Tensor, align: int = ALIGN)
     return None
 
 
-def fp8_linear(x, weight, bias, scaling: Fp8Scaling, wgrad_sink=None):
-    """y = x @ weight^T (+ bias) with fp8 GEMMs forward and backward; see the module doc."""
+def fp8_linear(x, weight, bias, scaling: Fp8Scaling, wgrad_sink=None, weight_cache=None):
+    """y = x @ weight^T (+ bias) with fp8 GEMMs forward and backward; see the module doc.
+    weight_cache: a dict the calling module keeps (cached_weight)."""
     blockwise = scaling.recipe.recipe == "blockwise"
     why = unsupported_shape(x, weight, BLOCKWISE_ALIGN if blockwise else ALIGN)
     if why is not None:
@@ -340,7 +357,7 @@ def fp8_linear(x, weight, bias, scaling: Fp8Scaling, wgrad_sink=None):
         return _HighPrecisionLinear.apply(x, weight, bias, wgrad_sink)
     report.ran("fp8_linear", f"{'cuda' if x.is_cuda else x.device.type}.scaled_mm"
                              f"({scaling.recipe.format}, {scaling.recipe.recipe})")
-    return (_Fp8BlockLinear if blockwise else _Fp8Linear).apply(x, weight, bias, scaling, wgrad_sink)
+    return (_Fp8BlockLinear if blockwise else _Fp8Linear).apply(x, weight, bias, scaling, wgrad_sink, weight_cache)
 
 
 class _HighPrecisionLinear(torch.autograd.Function):
@@ -519,44 +536,45 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     cast to the input's and weight's dtypes."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, groups, fp8_wgrad):
+    def forward(ctx, x, w, offs, groups, fp8_wgrad, weight_cache=None):
         e4m3 = torch.float8_e4m3fn
         x8, sx = quantize_rowwise(x, e4m3)
-        w8, sw = quantize_rowwise(w, e4m3)
+        # w per (expert, out channel) for the forward, per (expert, in channel) [E, in, out] for dgrad
+        w8, sw, wt8, swt = cached_weight(weight_cache, lambda: (*quantize_rowwise(w, e4m3),
+                                                                *quantize_weight_columns(w, e4m3)))
         y = _grouped_scaled_mm(x8, w8.transpose(-2, -1), sx, sw, offs, torch.bfloat16, True).to(x.dtype)
-        ctx.save_for_backward(x, w, offs, groups)
-        ctx.fp8_wgrad = fp8_wgrad
+        ctx.save_for_backward(x, wt8, swt, offs, groups)
+        ctx.fp8_wgrad, ctx.w_shape, ctx.w_dtype = fp8_wgrad, w.shape, w.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w, offs, groups = ctx.saved_tensors
+        x, wt8, swt, offs, groups = ctx.saved_tensors
         e4m3 = torch.float8_e4m3fn
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dy8, sdy = quantize_rowwise(dy, e4m3)
-            wt8, swt = quantize_weight_columns(w, e4m3)      # [E, in, out], per (expert, in)
             dx = _grouped_scaled_mm(dy8, wt8.transpose(-2, -1), sdy, swt, offs, torch.bfloat16, False).to(dy.dtype)
         if ctx.needs_input_grad[1]:
             if ctx.fp8_wgrad:
-                num = w.shape[0]
+                num = ctx.w_shape[0]
                 dyt8, sdyt = quantize_group_columns(dy, groups, num, e4m3, offs)    # [out, T]
                 xt8, sxt = quantize_group_columns(x, groups, num, e4m3, offs)       # [in, T]
-                dw = _grouped_scaled_mm(dyt8, xt8.t(), sdyt, sxt, offs, torch.bfloat16, False).to(w.dtype)
+                dw = _grouped_scaled_mm(dyt8, xt8.t(), sdyt, sxt, offs, torch.bfloat16, False).to(ctx.w_dtype)
             elif dy.is_cuda and dy.dtype == torch.bfloat16:
                 dw = torch._grouped_mm(dy.t(), x, offs=offs)
             else:
                 ends = [0] + offs.tolist()
-                dw = torch.stack([dy[a:b].t().float() @ x[a:b].float() for a, b in zip(ends, ends[1:])]).to(w.dtype)
-        return dx, dw, None, None, None
+                dw = torch.stack([dy[a:b].t().float() @ x[a:b].float() for a, b in zip(ends, ends[1:])]).to(ctx.w_dtype)
+        return dx, dw, None, None, None, None
 
 
-def fp8_grouped_gemm(x, w, tokens_per_expert, recipe):
+def fp8_grouped_gemm(x, w, tokens_per_expert, recipe, weight_cache=None):
     """y [T, out] = each expert's rows of x [T, in] times w[e]^T, w [E, out, in], in fp8 (see
     _Fp8GroupedLinear). tokens_per_expert: host ints (Megatron's m_splits); every group a multiple of
     16 rows (Megatron's Fp8Padding), in_features and out_features multiples of 16; otherwise a
-    reported bf16 grouped GEMM."""
+    reported bf16 grouped GEMM. weight_cache: a dict the calling module keeps (cached_weight)."""
     from .moe import group_offsets, grouped_gemm
 
     sizes = [int(n) for n in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
@@ -576,4 +594,4 @@ def fp8_grouped_gemm(x, w, tokens_per_expert, recipe):
     # each row's expert, by device kernels alone (a CUDA graph may be capturing)
     groups = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=torch.int32),
                                 right=True).long()
-    return _Fp8GroupedLinear.apply(x.contiguous(), w, offs, groups, bool(recipe.wgrad))
+    return _Fp8GroupedLinear.apply(x.contiguous(), w, offs, groups, bool(recipe.wgrad), weight_cache)
