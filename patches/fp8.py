@@ -27,6 +27,13 @@ in bf16 and say nothing. This area makes that impossible:
   provider builds Megatron's own classes, unchanged but for a load hook that says once that an fp8
   checkpoint's scaling state is ignored; an fp8 linear loading a checkpoint saved without fp8 says
   once that it starts with fresh scaling state.
+* MoE experts (`--moe-grouped-gemm`): Megatron's TEGroupedMLP on megatron-adapt's grouped linears
+  (patches/moe), which run the backend's `fp8_grouped_gemm` inside the fp8 context. Megatron asks TE
+  for three things there, served in `megatron.core.transformer.moe.experts` and
+  `transformer_config` (skipped with TE installed): HAVE_TE, Fp8Padding / Fp8Unpadding (each
+  expert's rows padded to 16), and TE >= 1.7 / 1.11 in the config's MoE fp8 version checks.
+* The fp8 weight cache: TE's `is_first_microbatch` protocol, which Megatron's schedules drive
+  (`weight_cache` below).
 * CUDA graphs. Megatron's local CUDA graphs (`--cuda-graph-impl local`) ask Transformer Engine's
   FP8GlobalStateManager, save_fp8_tensors and restore_fp8_tensors about fp8; without TE those names
   are absent. They are served in `megatron.core.transformer.cuda_graphs` (created, removed by
