@@ -242,15 +242,21 @@ def weight_cache(module, weights) -> dict | None:
     protocol, which Megatron drives. Its schedules set `is_first_microbatch` on every module that
     has the attribute at the first micro-batch of each step (set_is_first_microbatch, under fp8);
     the weights are quantized then and the copies reused by the step's later micro-batches. Never
-    reused while a CUDA graph is being captured (a replay must quantize the weights it reads), with
-    config.disable_parameter_transpose_cache, or when a weight's storage or version changed."""
+    reused on the host while a CUDA graph is being captured (the captured kernels read a device
+    flag instead: cached_weight in the cuda backend), with config.disable_parameter_transpose_cache,
+    or when a weight's storage or version changed."""
     if getattr(module.config, "disable_parameter_transpose_cache", False):
         return None
     cache = module._fp8_weight_cache
     first, module.is_first_microbatch = module.is_first_microbatch, False
     if weights[0].is_cuda and torch.cuda.is_current_stream_capturing():
-        cache.clear()
-        return None
+        # captured: kernels that keep the copies an eager call made while the device skip flag is
+        # set (Megatron sets it at every replay of a first layer from is_first_microbatch); with no
+        # eager copies to write into, the graph quantizes the weights at every replay
+        if "q" not in cache:
+            return None
+        from megatron_adapt.backends.fp8_scaling import weight_skip_flag
+        return {"graph": True, "q": cache["q"], "skip": weight_skip_flag(weights[0].device)}
     key = tuple((w.data_ptr(), w._version) for w in weights)
     cache["hit"] = bool(not first and cache.get("key") == key and "q" in cache)
     cache["key"] = key
@@ -418,8 +424,12 @@ class Fp8GraphState:
 
     @staticmethod
     def set_skip_fp8_weight_update_tensor(skip) -> None:
-        """TE skips re-casting cached fp8 weights after a step's first micro-batch; these linears
-        keep no fp8 weight cache (every GEMM casts its weight), so there is nothing to skip."""
+        """TE's flag (a device tensor) that makes captured weight casts keep the fp8 copies of the
+        step's first micro-batch: here backends.fp8_scaling's weight-skip flag, read by the
+        captured quantization kernels of the fp8 linears (weight_cache)."""
+        from megatron_adapt.backends.fp8_scaling import set_weight_skip
+
+        set_weight_skip(bool(skip))
 
     @staticmethod
     def is_first_fp8_module() -> bool:   # megatron-core 0.15 asks before that skip

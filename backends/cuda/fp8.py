@@ -56,9 +56,11 @@ def fp8_unavailable(recipe: str = "tensorwise") -> str | None:
 
 if triton is not None:
     @triton.jit
-    def _cast_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M, N, stride_xm,
+    def _cast_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, scale_inv_ptr, skip_ptr, M, N, stride_xm,
                      FP8_MAX: tl.constexpr, CURRENT: tl.constexpr, TRANSPOSE: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr):
+        if tl.load(skip_ptr) != 0:   # a captured weight cast on a later micro-batch: keep the copies
+            return
         pm, pn = tl.program_id(0), tl.program_id(1)
         rm = pm * BM + tl.arange(0, BM)
         rn = pn * BN + tl.arange(0, BN)
@@ -84,15 +86,31 @@ if triton is not None:
             tl.store(scale_inv_ptr, 1.0 / s)
 
 
-def _cast_triton(x, dtype, transpose, scale, amax):
+_never: dict = {}
+
+
+def _flag(skip, device):
+    """The skip flag a kernel reads: the weights' device flag, or a constant 0 (always quantize)."""
+    if skip is not None:
+        return skip
+    if device not in _never:
+        _never[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _never[device]
+
+
+def _cast_triton(x, dtype, transpose, scale, amax, out=None, skip=None):
     M, N = x.shape
-    y = torch.empty(M, N, dtype=dtype, device=x.device)
-    yt = torch.empty(N, M, dtype=dtype, device=x.device) if transpose else y
-    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    if out is not None:     # a captured weight cast into the cached copies (cached_weight)
+        y, yt, scale_inv = out
+        yt = yt if transpose else y
+    else:
+        y = torch.empty(M, N, dtype=dtype, device=x.device)
+        yt = torch.empty(N, M, dtype=dtype, device=x.device) if transpose else y
+        scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
     current = scale is None
     BM, BN = (16, 16) if interpreting() else (64, 128)
     _cast_kernel[(cdiv(M, BM), cdiv(N, BN))](
-        x, y, yt, amax if current else scale, amax, scale_inv, M, N, x.stride(0),
+        x, y, yt, amax if current else scale, amax, scale_inv, _flag(skip, x.device), M, N, x.stride(0),
         FP8_MAX=FP8_MAX[dtype], CURRENT=current, TRANSPOSE=transpose, BM=BM, BN=BN, num_warps=4)
     return y, (yt if transpose else None), scale_inv
 
@@ -109,7 +127,7 @@ def _cast_torch(x, dtype, transpose, scale, amax):
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool, scaling: Fp8Scaling | None,
-             direction: str = "fwd", slot: int = 0):
+             direction: str = "fwd", slot: int = 0, out=None, skip=None):
     """x [M, N] (row-major rows) -> (x8 [M, N], x8^T [N, M] contiguous or None, scale_inv [1] fp32).
 
     scaling None or tensorwise: current scaling (amax of x now); delayed: scaling's scale for
@@ -124,7 +142,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool, scaling: Fp8S
         scale = None
         amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).reshape(1)
     if triton is not None and (x.is_cuda or (interpreting() and x.device.type == "cpu")):
-        return _cast_triton(x, dtype, transpose, scale, amax)
+        return _cast_triton(x, dtype, transpose, scale, amax, out, skip)
     return _cast_torch(x, dtype, transpose, scale, amax)
 
 
@@ -142,14 +160,22 @@ def _wgrad(ctx, dy2, xs, fp8_gemm):
 
 
 def cached_weight(cache: dict | None, quantize_weight):
-    """The weight's fp8 operands: from `cache` where its owner marked them reusable (cache["hit"]:
-    Megatron's is_first_microbatch protocol, TE's fp8 weight cache: the weights have not changed
-    since the step's first micro-batch), else quantize_weight(), kept in the cache for the next."""
-    if cache is not None and cache.get("hit") and "q" in cache:
+    """The weight's fp8 operands. quantize_weight(out, skip) quantizes the weight (into the `out`
+    buffers if given; skip: a device flag that makes the kernels keep `out` as it is).
+    - cache["hit"] (Megatron's is_first_microbatch protocol, TE's fp8 weight cache: the weights have
+      not changed since the step's first micro-batch): the cached copies;
+    - cache["graph"] (a CUDA graph is being captured): kernels that read the device skip flag
+      (backends.fp8_scaling.weight_skip_flag), writing into the copies an eager call made, so a
+      replay on a later micro-batch keeps them (TE's skip_fp8_weight_update);
+    - otherwise quantized now and kept in the cache for the next call."""
+    if cache is None:
+        return quantize_weight(None, None)
+    if cache.get("graph"):
+        return quantize_weight(cache["q"], cache["skip"])
+    if cache.get("hit") and "q" in cache:
         return cache["q"]
-    q = quantize_weight()
-    if cache is not None:
-        cache["q"] = q
+    q = quantize_weight(None, None)
+    cache["q"] = q
     return q
 
 
@@ -162,8 +188,8 @@ class _Fp8Linear(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fp8_wgrad = need_wgrad and r.wgrad
         x8, x8t, sx_inv = quantize(x2, r.fwd_dtype, fp8_wgrad, scaling, "fwd", 0)
-        w8, w8t, sw_inv = cached_weight(weight_cache, lambda: quantize(weight, r.fwd_dtype, need_dgrad or weight_cache is not None,
-                                                                      scaling, "fwd", 1))
+        w8, w8t, sw_inv = cached_weight(weight_cache, lambda out, skip: quantize(
+            weight, r.fwd_dtype, need_dgrad or weight_cache is not None, scaling, "fwd", 1, out, skip))
         y = _gemm(x8, w8.t(), sx_inv, sw_inv, x.dtype, True)
         if bias is not None:
             y = y + bias
@@ -304,7 +330,9 @@ class _Fp8BlockLinear(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         x8, sx = quantize_runs(x2, r.fwd_dtype)
-        w8, sw, w8t = cached_weight(weight_cache, lambda: (*quantize_blocks(weight, r.fwd_dtype), None))
+        # (no skip flag in the block kernels: under a capture every replay quantizes the weight)
+        w8, sw, w8t = cached_weight(None if weight_cache is not None and weight_cache.get("graph") else weight_cache,
+                                    lambda out, skip: (*quantize_blocks(weight, r.fwd_dtype), None))
         y = _block_gemm(x8, sx, w8, sw, x.dtype)
         if bias is not None:
             y = y + bias
@@ -404,8 +432,10 @@ def grouped_unavailable(device=None) -> str | None:
 
 if triton is not None:
     @triton.jit
-    def _rows_kernel(x_ptr, y_ptr, s_ptr, C, FP8_MAX: tl.constexpr, BC: tl.constexpr):
+    def _rows_kernel(x_ptr, y_ptr, s_ptr, skip_ptr, C, FP8_MAX: tl.constexpr, BC: tl.constexpr):
         """One row of a contiguous [R, C]: its amax, then the cast with scale = FP8_MAX / amax."""
+        if tl.load(skip_ptr) != 0:
+            return
         base = tl.program_id(0).to(tl.int64) * C
         acc = tl.zeros([BC], dtype=tl.float32)
         for c0 in range(0, C, BC):
@@ -422,11 +452,13 @@ if triton is not None:
         tl.store(s_ptr + tl.program_id(0), 1.0 / s)
 
     @triton.jit
-    def _group_columns_kernel(x_ptr, y_ptr, s_ptr, ends_ptr, C, stride_oc, group_shift,
+    def _group_columns_kernel(x_ptr, y_ptr, s_ptr, ends_ptr, skip_ptr, C, stride_oc, group_shift,
                               FP8_MAX: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
         """Rows ends[g-1]..ends[g] of a contiguous [R, C], columns of one block: the amax of each
         column over the group's rows, then the cast stored transposed, element (r, c) of group g at
         c * stride_oc + r + g * group_shift; scale_inv of (g, c) at g * C + c."""
+        if tl.load(skip_ptr) != 0:
+            return
         g = tl.program_id(0)
         r0 = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
         r1 = tl.load(ends_ptr + g)
@@ -450,24 +482,32 @@ if triton is not None:
         tl.store(s_ptr + g * C + cols, 1.0 / s, mask=cm)
 
 
-def _group_columns_triton(x, ends, num_groups, dtype, stride_oc, group_shift, out_shape):
-    y = torch.empty(out_shape, dtype=dtype, device=x.device)
-    s_inv = torch.empty(num_groups * x.shape[1], dtype=torch.float32, device=x.device)
+def _group_columns_triton(x, ends, num_groups, dtype, stride_oc, group_shift, out_shape, out=None, skip=None):
+    if out is not None:
+        y, s_inv = out
+    else:
+        y = torch.empty(out_shape, dtype=dtype, device=x.device)
+        s_inv = torch.empty(num_groups * x.shape[1], dtype=torch.float32, device=x.device)
     bt, bc = (16, 16) if interpreting() else (64, 64)
     _group_columns_kernel[(num_groups, cdiv(x.shape[1], bc))](
-        x, y, s_inv, ends, x.shape[1], stride_oc, group_shift, FP8_MAX=FP8_MAX[dtype], BT=bt, BC=bc, num_warps=4)
+        x, y, s_inv, ends, _flag(skip, x.device), x.shape[1], stride_oc, group_shift,
+        FP8_MAX=FP8_MAX[dtype], BT=bt, BC=bc, num_warps=4)
     return y, s_inv
 
 
-def quantize_rowwise(t: torch.Tensor, dtype: torch.dtype):
+def quantize_rowwise(t: torch.Tensor, dtype: torch.dtype, out=None, skip=None):
     """t [..., C] -> (t8 [..., C] contiguous, scale_inv [...] fp32): one current scale per row (the
-    amax of the row along C, the GEMM's reduction). One Triton pass on CUDA tensors."""
+    amax of the row along C, the GEMM's reduction). One Triton pass on CUDA tensors (into `out`
+    unless the device flag `skip` is set: cached_weight)."""
     if _triton_here(t):
         t = t.contiguous()
-        y = torch.empty(t.shape, dtype=dtype, device=t.device)
-        s_inv = torch.empty(t.shape[:-1], dtype=torch.float32, device=t.device)
+        if out is not None:
+            y, s_inv = out
+        else:
+            y = torch.empty(t.shape, dtype=dtype, device=t.device)
+            s_inv = torch.empty(t.shape[:-1], dtype=torch.float32, device=t.device)
         c = t.shape[-1]
-        _rows_kernel[(t.numel() // c,)](t, y, s_inv, c, FP8_MAX=FP8_MAX[dtype],
+        _rows_kernel[(t.numel() // c,)](t, y, s_inv, _flag(skip, t.device), c, FP8_MAX=FP8_MAX[dtype],
                                         BC=32 if interpreting() else 1024, num_warps=4)
         return y, s_inv
     fp8_max = FP8_MAX[dtype]
@@ -495,13 +535,15 @@ def quantize_group_columns(t: torch.Tensor, groups: torch.Tensor, num_groups: in
     return t8.t().contiguous(), scale.reciprocal().reshape(-1)
 
 
-def quantize_weight_columns(w: torch.Tensor, dtype: torch.dtype):
+def quantize_weight_columns(w: torch.Tensor, dtype: torch.dtype, out=None, skip=None):
     """w [E, N, K] -> (w^T 8 [E, K, N] contiguous, scale_inv [E, K]): one scale per (expert, input
     channel), the dgrad GEMM's operand. The group-columns kernel with every expert N rows."""
     e, n, k = w.shape
     if _triton_here(w):
         ends = torch.arange(n, e * n + 1, n, device=w.device, dtype=torch.int32)
-        y, s_inv = _group_columns_triton(w.contiguous().view(e * n, k), ends, e, dtype, n, k * n - n, (e, k, n))
+        flat = None if out is None else (out[0], out[1].view(-1))
+        y, s_inv = _group_columns_triton(w.contiguous().view(e * n, k), ends, e, dtype, n, k * n - n, (e, k, n),
+                                         flat, skip)
         return y, s_inv.view(e, k)
     return quantize_rowwise(w.transpose(-2, -1), dtype)
 
@@ -540,8 +582,9 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         e4m3 = torch.float8_e4m3fn
         x8, sx = quantize_rowwise(x, e4m3)
         # w per (expert, out channel) for the forward, per (expert, in channel) [E, in, out] for dgrad
-        w8, sw, wt8, swt = cached_weight(weight_cache, lambda: (*quantize_rowwise(w, e4m3),
-                                                                *quantize_weight_columns(w, e4m3)))
+        w8, sw, wt8, swt = cached_weight(weight_cache, lambda out, skip: (
+            *quantize_rowwise(w, e4m3, None if out is None else out[:2], skip),
+            *quantize_weight_columns(w, e4m3, None if out is None else out[2:], skip)))
         y = _grouped_scaled_mm(x8, w8.transpose(-2, -1), sx, sw, offs, torch.bfloat16, True).to(x.dtype)
         ctx.save_for_backward(x, wt8, swt, offs, groups)
         ctx.fp8_wgrad, ctx.w_shape, ctx.w_dtype = fp8_wgrad, w.shape, w.dtype
