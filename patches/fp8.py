@@ -559,7 +559,7 @@ def build_set_skip(backend, original):
         raise SkipPatch("Transformer Engine is installed: Megatron sets TE's flag")
 
     def _set_skip_fp8_weight_update_tensor(skip: bool) -> None:
-        """core_v0.19's helper returns at once without TE's graph support (HAVE_TE_GRAPHS); the
+        """core_v0.18+'s helper returns at once without TE's graph support (HAVE_TE_GRAPHS); the
         weight-skip flag of megatron-adapt's fp8 linears is set here instead."""
         Fp8GraphState.set_skip_fp8_weight_update_tensor(skip)
     return _set_skip_fp8_weight_update_tensor
@@ -571,8 +571,9 @@ SPECS = [
     PatchSpec("megatron.core.fp8_utils:get_fp8_context", area="fp8", build=build_get_fp8_context),
     PatchSpec(f"{GRAPHS}:_CudaGraphRunner.get_quantization_context", area="fp8", mode=WRAP,
               build=build_quantization_context),
-    # core_v0.19+ (0.15-0.16 call FP8GlobalStateManager's method directly)
-    PatchSpec(f"{GRAPHS}:_set_skip_fp8_weight_update_tensor", area="fp8", build=build_set_skip, optional=True),
+    # core_v0.18+ (0.15-0.17 call FP8GlobalStateManager.set_skip_fp8_weight_update_tensor directly)
+    PatchSpec(f"{GRAPHS}:_set_skip_fp8_weight_update_tensor", area="fp8", build=build_set_skip,
+              versions=">=0.18.0,<0.20.0"),
 ] + [PatchSpec(f"{GRAPHS}:{name}", area="fp8", build=_served_without_te(name, obj), create=True)
      for name, obj in (("FP8GlobalStateManager", Fp8GraphState), ("save_fp8_tensors", save_fp8_tensors),
                        ("restore_fp8_tensors", restore_fp8_tensors), ("te", te),
