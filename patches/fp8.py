@@ -254,6 +254,7 @@ def weight_cache(module, weights) -> dict | None:
         # set (Megatron sets it at every replay of a first layer from is_first_microbatch); with no
         # eager copies to write into, the graph quantizes the weights at every replay
         if "q" not in cache:
+            report.ran("fp8_weight_cache", "captured without eager copies (quantized at every replay)")
             return None
         from megatron_adapt.backends.fp8_scaling import weight_skip_flag
         return {"graph": True, "q": cache["q"], "skip": weight_skip_flag(weights[0].device)}
@@ -429,6 +430,7 @@ class Fp8GraphState:
         captured quantization kernels of the fp8 linears (weight_cache)."""
         from megatron_adapt.backends.fp8_scaling import set_weight_skip
 
+        report.ran("fp8_weight_cache", f"skip flag set to {int(bool(skip))} (graph replays)")
         set_weight_skip(bool(skip))
 
     @staticmethod

@@ -171,6 +171,7 @@ def cached_weight(cache: dict | None, quantize_weight):
     if cache is None:
         return quantize_weight(None, None)
     if cache.get("graph"):
+        report.ran("fp8_weight_cache", "captured with the device skip flag")
         return quantize_weight(cache["q"], cache["skip"])
     if cache.get("hit") and "q" in cache:
         return cache["q"]
