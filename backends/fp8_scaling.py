@@ -154,24 +154,3 @@ class Fp8Scaling:
                 return None
             return torch.load(io.BytesIO(t.cpu().numpy().tobytes()), weights_only=True)
         raise TypeError(f"fp8 extra state: expected a uint8 tensor, got {type(t).__name__}")
-
-
-# ---------------------------------------------------------------- the weight-update skip flag
-_skip_state = [False]
-_skip_flags: dict = {}
-
-
-def weight_skip_flag(device) -> torch.Tensor:
-    """The device's int32 [1] flag that captured weight quantizations read (1: keep the fp8 weight
-    copies the step's first micro-batch made). TE's skip_fp8_weight_update tensor: Megatron's CUDA
-    graph runner sets it at every replay of a first layer, from is_first_microbatch."""
-    device = torch.device(device)
-    if device not in _skip_flags:
-        _skip_flags[device] = torch.full((1,), int(_skip_state[0]), dtype=torch.int32, device=device)
-    return _skip_flags[device]
-
-
-def set_weight_skip(skip: bool) -> None:
-    _skip_state[0] = bool(skip)
-    for flag in _skip_flags.values():
-        flag.fill_(int(skip))

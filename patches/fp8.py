@@ -32,8 +32,6 @@ in bf16 and say nothing. This area makes that impossible:
   for three things there, served in `megatron.core.transformer.moe.experts` and
   `transformer_config` (skipped with TE installed): HAVE_TE, Fp8Padding / Fp8Unpadding (each
   expert's rows padded to 16), and TE >= 1.7 / 1.11 in the config's MoE fp8 version checks.
-* The fp8 weight cache: TE's `is_first_microbatch` protocol, which Megatron's schedules drive
-  (`weight_cache` below).
 * CUDA graphs. Megatron's local CUDA graphs (`--cuda-graph-impl local`) ask Transformer Engine's
   FP8GlobalStateManager, save_fp8_tensors and restore_fp8_tensors about fp8; without TE those names
   are absent. They are served in `megatron.core.transformer.cuda_graphs` (created, removed by
@@ -237,35 +235,6 @@ def _wgrad_sink(weight, fusion: bool):
     return sink
 
 
-def weight_cache(module, weights) -> dict | None:
-    """The module's fp8 weight cache, marked reusable (cache["hit"]) for this call or not: TE's
-    protocol, which Megatron drives. Its schedules set `is_first_microbatch` on every module that
-    has the attribute at the first micro-batch of each step (set_is_first_microbatch, under fp8);
-    the weights are quantized then and the copies reused by the step's later micro-batches. Never
-    reused on the host while a CUDA graph is being captured (the captured kernels read a device
-    flag instead: cached_weight in the cuda backend), with config.disable_parameter_transpose_cache,
-    or when a weight's storage or version changed."""
-    if getattr(module.config, "disable_parameter_transpose_cache", False):
-        return None
-    cache = module._fp8_weight_cache
-    first, module.is_first_microbatch = module.is_first_microbatch, False
-    if weights[0].is_cuda and torch.cuda.is_current_stream_capturing():
-        # captured: kernels that keep the copies an eager call made while the device skip flag is
-        # set (Megatron sets it at every replay of a first layer from is_first_microbatch); with no
-        # eager copies to write into, the graph quantizes the weights at every replay
-        if "q" not in cache:
-            report.ran("fp8_weight_cache", "captured without eager copies (quantized at every replay)")
-            return None
-        from megatron_adapt.backends.fp8_scaling import weight_skip_flag
-        return {"graph": True, "q": cache["q"], "skip": weight_skip_flag(weights[0].device)}
-    key = tuple((w.data_ptr(), w._version) for w in weights)
-    cache["hit"] = bool(not first and cache.get("key") == key and "q" in cache)
-    cache["key"] = key
-    if not cache["hit"]:
-        cache.pop("q", None)
-    return cache
-
-
 log = logging.getLogger("megatron_adapt")
 _said: set = set()
 
@@ -344,8 +313,6 @@ def fp8_variant(base, backend):
             self.fp8_scaling = Fp8Scaling(recipe_from_config(config),
                                           device=weight.device if weight is not None else None)
             self._fp8_op = backend.op("fp8_linear")
-            self.is_first_microbatch = True     # Megatron's flag for TE's fp8 weight cache
-            self._fp8_weight_cache = {}
 
         def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (Megatron's names)
             recipe = active_recipe()
@@ -379,8 +346,7 @@ def fp8_variant(base, backend):
             elif kwargs.get("allreduce_dgrad"):
                 x = copy_to_tensor_model_parallel_region(x, group=group)
             sink = _wgrad_sink(weight, bool(kwargs.get("gradient_accumulation_fusion")))
-            cache = weight_cache(self, [weight])
-            return self._fp8_op(x, weight, kwargs.get("bias"), scaling, sink, weight_cache=cache)
+            return self._fp8_op(x, weight, kwargs.get("bias"), scaling, sink)
 
         # TE's checkpoint layout: the scaling state in the module's _extra_state
         def get_extra_state(self):
@@ -425,13 +391,8 @@ class Fp8GraphState:
 
     @staticmethod
     def set_skip_fp8_weight_update_tensor(skip) -> None:
-        """TE's flag (a device tensor) that makes captured weight casts keep the fp8 copies of the
-        step's first micro-batch: here backends.fp8_scaling's weight-skip flag, read by the
-        captured quantization kernels of the fp8 linears (weight_cache)."""
-        from megatron_adapt.backends.fp8_scaling import set_weight_skip
-
-        report.ran("fp8_weight_cache", f"skip flag set to {int(bool(skip))} (graph replays)")
-        set_weight_skip(bool(skip))
+        """TE skips re-casting cached fp8 weights after a step's first micro-batch; these linears
+        keep no fp8 weight cache (every GEMM casts its weight), so there is nothing to skip."""
 
     @staticmethod
     def is_first_fp8_module() -> bool:   # megatron-core 0.15 asks before that skip
@@ -556,26 +517,12 @@ def build_moe_te_version(backend, original):
     return is_te_min_version
 
 
-def build_set_skip(backend, original):
-    if start_checks.te_installed():
-        raise SkipPatch("Transformer Engine is installed: Megatron sets TE's flag")
-
-    def _set_skip_fp8_weight_update_tensor(skip: bool) -> None:
-        """core_v0.18+'s helper returns at once without TE's graph support (HAVE_TE_GRAPHS); the
-        weight-skip flag of megatron-adapt's fp8 linears is set here instead."""
-        Fp8GraphState.set_skip_fp8_weight_update_tensor(skip)
-    return _set_skip_fp8_weight_update_tensor
-
-
 GRAPHS = "megatron.core.transformer.cuda_graphs"
 EXPERTS = "megatron.core.transformer.moe.experts"
 SPECS = [
     PatchSpec("megatron.core.fp8_utils:get_fp8_context", area="fp8", build=build_get_fp8_context),
     PatchSpec(f"{GRAPHS}:_CudaGraphRunner.get_quantization_context", area="fp8", mode=WRAP,
               build=build_quantization_context),
-    # core_v0.18+ (0.15-0.17 call FP8GlobalStateManager.set_skip_fp8_weight_update_tensor directly)
-    PatchSpec(f"{GRAPHS}:_set_skip_fp8_weight_update_tensor", area="fp8", build=build_set_skip,
-              versions=">=0.18.0,<0.20.0"),
 ] + [PatchSpec(f"{GRAPHS}:{name}", area="fp8", build=_served_without_te(name, obj), create=True)
      for name, obj in (("FP8GlobalStateManager", Fp8GraphState), ("save_fp8_tensors", save_fp8_tensors),
                        ("restore_fp8_tensors", restore_fp8_tensors), ("te", te),

@@ -176,7 +176,7 @@ def _grouped_linear_classes(backend):
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
     from megatron_adapt.patches.delayed_wgrad import DelayedWgradGroupedGemm, DelayedWgradGroupedMixin, delayed
-    from megatron_adapt.patches.fp8 import active_recipe, weight_cache
+    from megatron_adapt.patches.fp8 import active_recipe
 
     grouped_gemm, grouped_wgrad = backend.op("grouped_gemm"), backend.op("grouped_gemm_wgrad")
 
@@ -213,8 +213,6 @@ def _grouped_linear_classes(backend):
                     raise NotImplementedError("fp8 expert GEMMs with --delay-wgrad-compute are not served "
                                               "(the delayed weight gradients run in bf16)")
                 self._fp8_gemm = backend.op("fp8_grouped_gemm")
-                self.is_first_microbatch = True     # Megatron's flag for TE's fp8 weight cache
-                self._fp8_weight_cache = {}
             self.config, self.num_gemms = config, num_gemms
             if pg_collection is None:
                 pg_collection = ProcessGroupCollection.use_mpu_process_groups(
@@ -262,8 +260,8 @@ def _grouped_linear_classes(backend):
             else:
                 recipe = active_recipe() if self._fp8_gemm is not None else None
                 stacked = _StackExpertWeights.apply(fuse, *weights)
-                out = (grouped_gemm(x, stacked, m_splits, True) if recipe is None else
-                       self._fp8_gemm(x, stacked, m_splits, recipe, weight_cache=weight_cache(self, weights)))
+                out = (grouped_gemm(x, stacked, m_splits, True) if recipe is None
+                       else self._fp8_gemm(x, stacked, m_splits, recipe))
             if not self.use_bias:
                 return out, None
             biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]

@@ -56,11 +56,9 @@ def fp8_unavailable(recipe: str = "tensorwise") -> str | None:
 
 if triton is not None:
     @triton.jit
-    def _cast_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, scale_inv_ptr, skip_ptr, M, N, stride_xm,
+    def _cast_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M, N, stride_xm,
                      FP8_MAX: tl.constexpr, CURRENT: tl.constexpr, TRANSPOSE: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr):
-        if tl.load(skip_ptr) != 0:   # a captured weight cast on a later micro-batch: keep the copies
-            return
         pm, pn = tl.program_id(0), tl.program_id(1)
         rm = pm * BM + tl.arange(0, BM)
         rn = pn * BN + tl.arange(0, BN)
@@ -86,31 +84,15 @@ if triton is not None:
             tl.store(scale_inv_ptr, 1.0 / s)
 
 
-_never: dict = {}
-
-
-def _flag(skip, device):
-    """The skip flag a kernel reads: the weights' device flag, or a constant 0 (always quantize)."""
-    if skip is not None:
-        return skip
-    if device not in _never:
-        _never[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _never[device]
-
-
-def _cast_triton(x, dtype, transpose, scale, amax, out=None, skip=None):
+def _cast_triton(x, dtype, transpose, scale, amax):
     M, N = x.shape
-    if out is not None:     # a captured weight cast into the cached copies (cached_weight)
-        y, yt, scale_inv = out
-        yt = yt if transpose else y
-    else:
-        y = torch.empty(M, N, dtype=dtype, device=x.device)
-        yt = torch.empty(N, M, dtype=dtype, device=x.device) if transpose else y
-        scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    y = torch.empty(M, N, dtype=dtype, device=x.device)
+    yt = torch.empty(N, M, dtype=dtype, device=x.device) if transpose else y
+    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
     current = scale is None
     BM, BN = (16, 16) if interpreting() else (64, 128)
     _cast_kernel[(cdiv(M, BM), cdiv(N, BN))](
-        x, y, yt, amax if current else scale, amax, scale_inv, _flag(skip, x.device), M, N, x.stride(0),
+        x, y, yt, amax if current else scale, amax, scale_inv, M, N, x.stride(0),
         FP8_MAX=FP8_MAX[dtype], CURRENT=current, TRANSPOSE=transpose, BM=BM, BN=BN, num_warps=4)
     return y, (yt if transpose else None), scale_inv
 
@@ -127,7 +109,7 @@ def _cast_torch(x, dtype, transpose, scale, amax):
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool, scaling: Fp8Scaling | None,
-             direction: str = "fwd", slot: int = 0, out=None, skip=None):
+             direction: str = "fwd", slot: int = 0):
     """x [M, N] (row-major rows) -> (x8 [M, N], x8^T [N, M] contiguous or None, scale_inv [1] fp32).
 
     scaling None or tensorwise: current scaling (amax of x now); delayed: scaling's scale for
@@ -142,7 +124,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool, scaling: Fp8S
         scale = None
         amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).reshape(1)
     if triton is not None and (x.is_cuda or (interpreting() and x.device.type == "cpu")):
-        return _cast_triton(x, dtype, transpose, scale, amax, out, skip)
+        return _cast_triton(x, dtype, transpose, scale, amax)
     return _cast_torch(x, dtype, transpose, scale, amax)
 
 
@@ -159,38 +141,16 @@ def _wgrad(ctx, dy2, xs, fp8_gemm):
     return ctx.sink(dw) if ctx.sink is not None else dw
 
 
-def cached_weight(cache: dict | None, quantize_weight):
-    """The weight's fp8 operands. quantize_weight(out, skip) quantizes the weight (into the `out`
-    buffers if given; skip: a device flag that makes the kernels keep `out` as it is).
-    - cache["hit"] (Megatron's is_first_microbatch protocol, TE's fp8 weight cache: the weights have
-      not changed since the step's first micro-batch): the cached copies;
-    - cache["graph"] (a CUDA graph is being captured): kernels that read the device skip flag
-      (backends.fp8_scaling.weight_skip_flag), writing into the copies an eager call made, so a
-      replay on a later micro-batch keeps them (TE's skip_fp8_weight_update);
-    - otherwise quantized now and kept in the cache for the next call."""
-    if cache is None:
-        return quantize_weight(None, None)
-    if cache.get("graph"):
-        report.ran("fp8_weight_cache", "captured with the device skip flag")
-        return quantize_weight(cache["q"], cache["skip"])
-    if cache.get("hit") and "q" in cache:
-        return cache["q"]
-    q = quantize_weight(None, None)
-    cache["q"] = q
-    return q
-
-
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, scaling, wgrad_sink, weight_cache=None):
+    def forward(ctx, x, weight, bias, scaling, wgrad_sink):
         r = scaling.recipe
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fp8_wgrad = need_wgrad and r.wgrad
         x8, x8t, sx_inv = quantize(x2, r.fwd_dtype, fp8_wgrad, scaling, "fwd", 0)
-        w8, w8t, sw_inv = cached_weight(weight_cache, lambda out, skip: quantize(
-            weight, r.fwd_dtype, need_dgrad or weight_cache is not None, scaling, "fwd", 1, out, skip))
+        w8, w8t, sw_inv = quantize(weight, r.fwd_dtype, need_dgrad, scaling, "fwd", 1)
         y = _gemm(x8, w8.t(), sx_inv, sw_inv, x.dtype, True)
         if bias is not None:
             y = y + bias
@@ -217,7 +177,7 @@ class _Fp8Linear(torch.autograd.Function):
             db = dy2.sum(0)
         if r.recipe == "delayed":
             scaling.update("bwd")
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None
 
 
 # ---------------------------------------------------------------- blockwise (TE's Float8BlockScaling)
@@ -326,24 +286,19 @@ class _Fp8BlockLinear(torch.autograd.Function):
     1 x 128 along the tokens."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, scaling, wgrad_sink, weight_cache=None):
+    def forward(ctx, x, weight, bias, scaling, wgrad_sink):
         r = scaling.recipe
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         x8, sx = quantize_runs(x2, r.fwd_dtype)
-        # (no skip flag in the block kernels: under a capture every replay quantizes the weight)
-        w8, sw, w8t = cached_weight(None if weight_cache is not None and weight_cache.get("graph") else weight_cache,
-                                    lambda out, skip: (*quantize_blocks(weight, r.fwd_dtype), None))
+        w8, sw = quantize_blocks(weight, r.fwd_dtype)
         y = _block_gemm(x8, sx, w8, sw, x.dtype)
         if bias is not None:
             y = y + bias
         need_wgrad = ctx.needs_input_grad[1]
         fp8_wgrad = need_wgrad and r.wgrad
         xt8, sxt = quantize_runs(x2.t(), r.fwd_dtype) if fp8_wgrad else (None, None)
-        if w8t is None and ctx.needs_input_grad[0]:
-            w8t = w8.t().contiguous()
-            if weight_cache is not None:
-                weight_cache["q"] = (w8, sw, w8t)
+        w8t = w8.t().contiguous() if ctx.needs_input_grad[0] else None
         ctx.save_for_backward(xt8 if fp8_wgrad else (x2 if need_wgrad else None), sxt, w8t, sw)
         ctx.sink, ctx.fp8_wgrad, ctx.use_bias, ctx.bwd_dtype = wgrad_sink, fp8_wgrad, bias is not None, r.bwd_dtype
         ctx.x_shape, ctx.w_dtype = shape, weight.dtype
@@ -361,7 +316,7 @@ class _Fp8BlockLinear(torch.autograd.Function):
             dw = _wgrad(ctx, dy2, xs, lambda out: _block_gemm(*quantize_runs(dy2.t(), ctx.bwd_dtype), xs, sxt, out))
         if ctx.use_bias:
             db = dy2.sum(0)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None
 
 
 def unsupported_shape(x: torch.Tensor, weight: torch.Tensor, align: int = ALIGN) -> str | None:
@@ -376,9 +331,8 @@ def unsupported_shape(x: torch.Tensor, weight: torch.Tensor, align: int = ALIGN)
     return None
 
 
-def fp8_linear(x, weight, bias, scaling: Fp8Scaling, wgrad_sink=None, weight_cache=None):
-    """y = x @ weight^T (+ bias) with fp8 GEMMs forward and backward; see the module doc.
-    weight_cache: a dict the calling module keeps (cached_weight)."""
+def fp8_linear(x, weight, bias, scaling: Fp8Scaling, wgrad_sink=None):
+    """y = x @ weight^T (+ bias) with fp8 GEMMs forward and backward; see the module doc."""
     blockwise = scaling.recipe.recipe == "blockwise"
     why = unsupported_shape(x, weight, BLOCKWISE_ALIGN if blockwise else ALIGN)
     if why is not None:
@@ -386,7 +340,7 @@ def fp8_linear(x, weight, bias, scaling: Fp8Scaling, wgrad_sink=None, weight_cac
         return _HighPrecisionLinear.apply(x, weight, bias, wgrad_sink)
     report.ran("fp8_linear", f"{'cuda' if x.is_cuda else x.device.type}.scaled_mm"
                              f"({scaling.recipe.format}, {scaling.recipe.recipe})")
-    return (_Fp8BlockLinear if blockwise else _Fp8Linear).apply(x, weight, bias, scaling, wgrad_sink, weight_cache)
+    return (_Fp8BlockLinear if blockwise else _Fp8Linear).apply(x, weight, bias, scaling, wgrad_sink)
 
 
 class _HighPrecisionLinear(torch.autograd.Function):
@@ -433,10 +387,8 @@ def grouped_unavailable(device=None) -> str | None:
 
 if triton is not None:
     @triton.jit
-    def _rows_kernel(x_ptr, y_ptr, s_ptr, skip_ptr, C, FP8_MAX: tl.constexpr, BC: tl.constexpr):
+    def _rows_kernel(x_ptr, y_ptr, s_ptr, C, FP8_MAX: tl.constexpr, BC: tl.constexpr):
         """One row of a contiguous [R, C]: its amax, then the cast with scale = FP8_MAX / amax."""
-        if tl.load(skip_ptr) != 0:
-            return
         base = tl.program_id(0).to(tl.int64) * C
         acc = tl.zeros([BC], dtype=tl.float32)
         for c0 in range(0, C, BC):
@@ -453,13 +405,11 @@ if triton is not None:
         tl.store(s_ptr + tl.program_id(0), 1.0 / s)
 
     @triton.jit
-    def _group_columns_kernel(x_ptr, y_ptr, s_ptr, ends_ptr, skip_ptr, C, stride_oc, group_shift,
+    def _group_columns_kernel(x_ptr, y_ptr, s_ptr, ends_ptr, C, stride_oc, group_shift,
                               FP8_MAX: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
         """Rows ends[g-1]..ends[g] of a contiguous [R, C], columns of one block: the amax of each
         column over the group's rows, then the cast stored transposed, element (r, c) of group g at
         c * stride_oc + r + g * group_shift; scale_inv of (g, c) at g * C + c."""
-        if tl.load(skip_ptr) != 0:
-            return
         g = tl.program_id(0)
         r0 = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
         r1 = tl.load(ends_ptr + g)
@@ -483,32 +433,24 @@ if triton is not None:
         tl.store(s_ptr + g * C + cols, 1.0 / s, mask=cm)
 
 
-def _group_columns_triton(x, ends, num_groups, dtype, stride_oc, group_shift, out_shape, out=None, skip=None):
-    if out is not None:
-        y, s_inv = out
-    else:
-        y = torch.empty(out_shape, dtype=dtype, device=x.device)
-        s_inv = torch.empty(num_groups * x.shape[1], dtype=torch.float32, device=x.device)
+def _group_columns_triton(x, ends, num_groups, dtype, stride_oc, group_shift, out_shape):
+    y = torch.empty(out_shape, dtype=dtype, device=x.device)
+    s_inv = torch.empty(num_groups * x.shape[1], dtype=torch.float32, device=x.device)
     bt, bc = (16, 16) if interpreting() else (64, 64)
     _group_columns_kernel[(num_groups, cdiv(x.shape[1], bc))](
-        x, y, s_inv, ends, _flag(skip, x.device), x.shape[1], stride_oc, group_shift,
-        FP8_MAX=FP8_MAX[dtype], BT=bt, BC=bc, num_warps=4)
+        x, y, s_inv, ends, x.shape[1], stride_oc, group_shift, FP8_MAX=FP8_MAX[dtype], BT=bt, BC=bc, num_warps=4)
     return y, s_inv
 
 
-def quantize_rowwise(t: torch.Tensor, dtype: torch.dtype, out=None, skip=None):
+def quantize_rowwise(t: torch.Tensor, dtype: torch.dtype):
     """t [..., C] -> (t8 [..., C] contiguous, scale_inv [...] fp32): one current scale per row (the
-    amax of the row along C, the GEMM's reduction). One Triton pass on CUDA tensors (into `out`
-    unless the device flag `skip` is set: cached_weight)."""
+    amax of the row along C, the GEMM's reduction). One Triton pass on CUDA tensors."""
     if _triton_here(t):
         t = t.contiguous()
-        if out is not None:
-            y, s_inv = out
-        else:
-            y = torch.empty(t.shape, dtype=dtype, device=t.device)
-            s_inv = torch.empty(t.shape[:-1], dtype=torch.float32, device=t.device)
+        y = torch.empty(t.shape, dtype=dtype, device=t.device)
+        s_inv = torch.empty(t.shape[:-1], dtype=torch.float32, device=t.device)
         c = t.shape[-1]
-        _rows_kernel[(t.numel() // c,)](t, y, s_inv, _flag(skip, t.device), c, FP8_MAX=FP8_MAX[dtype],
+        _rows_kernel[(t.numel() // c,)](t, y, s_inv, c, FP8_MAX=FP8_MAX[dtype],
                                         BC=32 if interpreting() else 1024, num_warps=4)
         return y, s_inv
     fp8_max = FP8_MAX[dtype]
@@ -536,15 +478,13 @@ def quantize_group_columns(t: torch.Tensor, groups: torch.Tensor, num_groups: in
     return t8.t().contiguous(), scale.reciprocal().reshape(-1)
 
 
-def quantize_weight_columns(w: torch.Tensor, dtype: torch.dtype, out=None, skip=None):
+def quantize_weight_columns(w: torch.Tensor, dtype: torch.dtype):
     """w [E, N, K] -> (w^T 8 [E, K, N] contiguous, scale_inv [E, K]): one scale per (expert, input
     channel), the dgrad GEMM's operand. The group-columns kernel with every expert N rows."""
     e, n, k = w.shape
     if _triton_here(w):
         ends = torch.arange(n, e * n + 1, n, device=w.device, dtype=torch.int32)
-        flat = None if out is None else (out[0], out[1].view(-1))
-        y, s_inv = _group_columns_triton(w.contiguous().view(e * n, k), ends, e, dtype, n, k * n - n, (e, k, n),
-                                         flat, skip)
+        y, s_inv = _group_columns_triton(w.contiguous().view(e * n, k), ends, e, dtype, n, k * n - n, (e, k, n))
         return y, s_inv.view(e, k)
     return quantize_rowwise(w.transpose(-2, -1), dtype)
 
@@ -579,46 +519,44 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     cast to the input's and weight's dtypes."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, groups, fp8_wgrad, weight_cache=None):
+    def forward(ctx, x, w, offs, groups, fp8_wgrad):
         e4m3 = torch.float8_e4m3fn
         x8, sx = quantize_rowwise(x, e4m3)
-        # w per (expert, out channel) for the forward, per (expert, in channel) [E, in, out] for dgrad
-        w8, sw, wt8, swt = cached_weight(weight_cache, lambda out, skip: (
-            *quantize_rowwise(w, e4m3, None if out is None else out[:2], skip),
-            *quantize_weight_columns(w, e4m3, None if out is None else out[2:], skip)))
+        w8, sw = quantize_rowwise(w, e4m3)
         y = _grouped_scaled_mm(x8, w8.transpose(-2, -1), sx, sw, offs, torch.bfloat16, True).to(x.dtype)
-        ctx.save_for_backward(x, wt8, swt, offs, groups)
-        ctx.fp8_wgrad, ctx.w_shape, ctx.w_dtype = fp8_wgrad, w.shape, w.dtype
+        ctx.save_for_backward(x, w, offs, groups)
+        ctx.fp8_wgrad = fp8_wgrad
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, wt8, swt, offs, groups = ctx.saved_tensors
+        x, w, offs, groups = ctx.saved_tensors
         e4m3 = torch.float8_e4m3fn
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dy8, sdy = quantize_rowwise(dy, e4m3)
+            wt8, swt = quantize_weight_columns(w, e4m3)      # [E, in, out], per (expert, in)
             dx = _grouped_scaled_mm(dy8, wt8.transpose(-2, -1), sdy, swt, offs, torch.bfloat16, False).to(dy.dtype)
         if ctx.needs_input_grad[1]:
             if ctx.fp8_wgrad:
-                num = ctx.w_shape[0]
+                num = w.shape[0]
                 dyt8, sdyt = quantize_group_columns(dy, groups, num, e4m3, offs)    # [out, T]
                 xt8, sxt = quantize_group_columns(x, groups, num, e4m3, offs)       # [in, T]
-                dw = _grouped_scaled_mm(dyt8, xt8.t(), sdyt, sxt, offs, torch.bfloat16, False).to(ctx.w_dtype)
+                dw = _grouped_scaled_mm(dyt8, xt8.t(), sdyt, sxt, offs, torch.bfloat16, False).to(w.dtype)
             elif dy.is_cuda and dy.dtype == torch.bfloat16:
                 dw = torch._grouped_mm(dy.t(), x, offs=offs)
             else:
                 ends = [0] + offs.tolist()
-                dw = torch.stack([dy[a:b].t().float() @ x[a:b].float() for a, b in zip(ends, ends[1:])]).to(ctx.w_dtype)
-        return dx, dw, None, None, None, None
+                dw = torch.stack([dy[a:b].t().float() @ x[a:b].float() for a, b in zip(ends, ends[1:])]).to(w.dtype)
+        return dx, dw, None, None, None
 
 
-def fp8_grouped_gemm(x, w, tokens_per_expert, recipe, weight_cache=None):
+def fp8_grouped_gemm(x, w, tokens_per_expert, recipe):
     """y [T, out] = each expert's rows of x [T, in] times w[e]^T, w [E, out, in], in fp8 (see
     _Fp8GroupedLinear). tokens_per_expert: host ints (Megatron's m_splits); every group a multiple of
     16 rows (Megatron's Fp8Padding), in_features and out_features multiples of 16; otherwise a
-    reported bf16 grouped GEMM. weight_cache: a dict the calling module keeps (cached_weight)."""
+    reported bf16 grouped GEMM."""
     from .moe import group_offsets, grouped_gemm
 
     sizes = [int(n) for n in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
@@ -638,4 +576,4 @@ def fp8_grouped_gemm(x, w, tokens_per_expert, recipe, weight_cache=None):
     # each row's expert, by device kernels alone (a CUDA graph may be capturing)
     groups = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=torch.int32),
                                 right=True).long()
-    return _Fp8GroupedLinear.apply(x.contiguous(), w, offs, groups, bool(recipe.wgrad), weight_cache)
+    return _Fp8GroupedLinear.apply(x.contiguous(), w, offs, groups, bool(recipe.wgrad))

@@ -475,38 +475,3 @@ def test_grouped_quantizer_kernels_equal_the_pytorch_quantizers(which, monkeypat
     # the interpreter's known rounding errors (module doc) touch a few % of the elements; a wrong
     # scale, layout or group boundary would leave almost none equal
     assert (got == ref).float().mean() > 0.9, float((got == ref).float().mean())
-
-
-@pytest.mark.skipif(fp8.triton is None, reason="Triton is not installed")
-@pytest.mark.parametrize("which", ["dense", "grouped"])
-def test_captured_weight_casts_keep_the_copies_while_the_skip_flag_is_set(which):
-    """What a CUDA graph captures for a weight (cached_weight's "graph" entry): the quantization
-    kernels write into the copies an eager call made, and leave them as they are while the device
-    skip flag (TE's skip_fp8_weight_update, set by Megatron's graph runner from
-    is_first_microbatch) is 1. Run here without a capture: the same kernels, the same buffers."""
-    if DEV == "cpu" and not fp8.interpreting():
-        pytest.skip("the kernels run on CPU under TRITON_INTERPRET=1 only")
-    torch.manual_seed(12)
-    w = torch.randn(2, 32, 48, device=DEV, dtype=torch.bfloat16) if which == "grouped" else \
-        torch.randn(32, 48, device=DEV, dtype=torch.bfloat16)
-    if which == "grouped":
-        quant = lambda w, out, skip: (*fp8.quantize_rowwise(w, E4, None if out is None else out[:2], skip),  # noqa: E731
-                                      *fp8.quantize_weight_columns(w, E4, None if out is None else out[2:], skip))
-    else:
-        scaling = Fp8Scaling(Fp8Recipe(recipe="tensorwise"), DEV)
-        quant = lambda w, out, skip: fp8.quantize(w, E4, True, scaling, "fwd", 1, out, skip)  # noqa: E731
-    cache = {}
-    eager = fp8.cached_weight(cache, lambda out, skip: quant(w, out, skip))
-    snapshot = [t.clone() for t in eager]
-    flag = torch.ones(1, dtype=torch.int32, device=DEV)
-    w2 = w * 3
-    graph = {"graph": True, "q": cache["q"], "skip": flag}
-    kept = fp8.cached_weight(graph, lambda out, skip: quant(w2, out, skip))
-    assert [a.data_ptr() for a in kept] == [b.data_ptr() for b in eager]      # the same buffers
-    assert all(torch.equal(a.float(), b.float()) for a, b in zip(kept, snapshot))   # untouched
-    flag.zero_()
-    fresh = fp8.cached_weight(graph, lambda out, skip: quant(w2, out, skip))
-    ref = quant(w2, None, None)
-    assert [a.data_ptr() for a in fresh] == [b.data_ptr() for b in eager]
-    assert all(torch.equal(a.float(), b.float()) for a, b in zip(fresh, ref))    # re-quantized in place
-    assert not torch.equal(fresh[-1].float(), snapshot[-1].float())

@@ -76,9 +76,7 @@ def model(**kw):
                     max_sequence_length=32), config
 
 
-def step(m, tokens, pos, labels, main_grad, first_microbatch=True):
-    if first_microbatch:   # what Megatron's forward_step does at a step's first micro-batch
-        m.set_is_first_microbatch()
+def step(m, tokens, pos, labels, main_grad):
     for p in m.parameters():
         p.grad = None
         if main_grad:
@@ -126,25 +124,6 @@ def train():
             "scale_fwd": layer.self_attention.linear_qkv.fp8_scaling.scale["fwd"].tolist(),
             "amax_rows": layer.self_attention.linear_qkv.fp8_scaling.amax_history["fwd"].tolist(),
         }
-    # the fp8 weight cache (TE's protocol, driven by Megatron's set_is_first_microbatch)
-    m, _ = model(fp8="hybrid", fp8_recipe="tensorwise")
-    qkv = m.decoder.layers[0].self_attention.linear_qkv
-    hits = []
-    for first in (True, False, False, True):
-        step(m, tokens, pos, labels, False, first_microbatch=first)
-        hits.append(qkv._fp8_weight_cache["hit"])
-    with torch.no_grad():
-        qkv.weight.mul_(1.0)          # an in-place change of the weight: its version moves on
-    step(m, tokens, pos, labels, False, first_microbatch=False)
-    hits.append(qkv._fp8_weight_cache["hit"])
-    cached = qkv._fp8_weight_cache["q"]
-    step(m, tokens, pos, labels, False, first_microbatch=False)
-    out["weight_cache_hits"] = hits + [qkv._fp8_weight_cache["hit"]]
-    out["weight_cache_same_tensors"] = qkv._fp8_weight_cache["q"] is cached
-    m, _ = model(fp8="hybrid", fp8_recipe="tensorwise", disable_parameter_transpose_cache=True)
-    step(m, tokens, pos, labels, False)
-    step(m, tokens, pos, labels, False, first_microbatch=False)
-    out["weight_cache_disabled"] = m.decoder.layers[0].self_attention.linear_qkv._fp8_weight_cache
     # --first-last-layers-bf16: Megatron's is_first_last_bf16_layer decides; only layer 1 is fp8
     m, _ = model(fp8="hybrid", fp8_recipe="tensorwise", first_last_layers_bf16=True,
                  num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1)
@@ -216,12 +195,6 @@ def moe():
             "expert_grad_rel_max": max(rel(grads[n], ref_grads[n]) for n in expert_w),
             "expert_grads": len(expert_w),
         }
-        # a second micro-batch of the same step: the experts' fp8 weights come from the cache
-        loss2, grads2 = step(m, tokens, pos, labels, main_grad, first_microbatch=False)
-        out[f"moe_{recipe}"]["cached_microbatch"] = {
-            "hit": experts.linear_fc1._fp8_weight_cache["hit"] and experts.linear_fc2._fp8_weight_cache["hit"],
-            "same_loss": loss2 == loss,
-            "same_grads": all(torch.equal(grads2[n], grads[n]) for n in expert_w)}
     out["moe_fallbacks"] = {o["implementation"]: o["fallback_reason"] for o in report.as_dict()["ops"]
                             if "grouped" in o["op"] and o["fallback_reason"]}
 

@@ -50,9 +50,6 @@ class TestFp8ThroughMegatron:
         assert res["first_last_bf16_calls"] == 4             # only the middle layer of three in fp8
         assert res["extra_state_type"] == "Tensor" and res["extra_state_roundtrip"] and res["extra_state_nontrivial"]
         assert res["plain_loads_fp8_checkpoint"] == "<All keys matched successfully>"
-        # micro-batches 1-4 of which 1 and 4 start a step, then an in-place weight change, then one more
-        assert res["weight_cache_hits"] == [False, True, True, False, False, True], res["weight_cache_hits"]
-        assert res["weight_cache_same_tensors"] and res["weight_cache_disabled"] == {}
         assert res["report_impls"] == ["cpu.scaled_mm(hybrid, delayed)", "cpu.scaled_mm(hybrid, tensorwise)"]
 
     def test_the_names_megatrons_cuda_graphs_ask_te_for(self):
@@ -82,11 +79,6 @@ class TestFp8ThroughMegatron:
             assert r["calls"] == {f"cpu.scaled_grouped_mm(e4m3, rowwise; recipe {recipe} read as rowwise)": 6}, r
             assert r["loss_rel"] < 2e-3, r
             assert r["expert_grads"] == 24 and 1e-3 < r["expert_grad_rel_max"] < 0.35, r
-            # tensorwise: the same micro-batch again gives the same loss and expert gradients (the
-            # dense linears' delayed scales move on between the two, so delayed's differ)
-            assert r["cached_microbatch"]["hit"], r
-            if recipe == "tensorwise":
-                assert r["cached_microbatch"] == {"hit": True, "same_loss": True, "same_grads": True}, r
 
 
 @pytest.mark.parametrize("settings,expected", [
