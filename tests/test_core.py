@@ -451,7 +451,7 @@ def test_every_backend_serves_exactly_the_ops_of_the_contract():
     none extra, and every entry loads. cuda alone leaves out the RNG state ops: Megatron's own
     CUDA RNG serves them there (the rng patch applies on cpu and npu only), and rope_cos_sin:
     Megatron's own Triton kernel serves MLA's fused RoPE there; cpu and npu leave out fp8_linear
-    (their fp8_unavailable op says why)."""
+    and fp8_grouped_gemm (their fp8_unavailable op says why)."""
     import importlib
 
     from megatron_adapt.backends import NAMES
@@ -460,7 +460,7 @@ def test_every_backend_serves_exactly_the_ops_of_the_contract():
 
     rng_ops = {"rng_get_state", "rng_set_state"}
     left_out = {"cuda": rng_ops | {"rope_cos_sin"},   # Megatron's own Triton MLA RoPE serves on cuda
-                "cpu": {"fp8_linear"}, "npu": {"fp8_linear"}}
+                "cpu": {"fp8_linear", "fp8_grouped_gemm"}, "npu": {"fp8_linear", "fp8_grouped_gemm"}}
     for name in NAMES:
         backend = importlib.import_module(f"megatron_adapt.backends.{name}").BACKEND
         expected = set(OPS) - left_out.get(name, set())
