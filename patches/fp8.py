@@ -427,10 +427,11 @@ def restore_fp8_tensors(modules, saved) -> None:
         s.updates.update(updates)
 
 
-def _served_without_te(name, obj):
+def _served_without_te(name, obj, serves="Megatron's CUDA graphs"):
+    """A build that installs `obj` (a name Megatron asks TE for), skipped when TE is installed."""
     def build(backend, original):
         if start_checks.te_installed():
-            raise SkipPatch(f"Transformer Engine is installed: its {name} serves Megatron's CUDA graphs")
+            raise SkipPatch(f"Transformer Engine is installed: its {name} serves {serves}")
         return obj
     return build
 
@@ -492,11 +493,7 @@ class Fp8Unpadding(Fp8Padding):
 
 
 def _experts_name(name, obj):
-    def build(backend, original):
-        if start_checks.te_installed():
-            raise SkipPatch(f"Transformer Engine is installed: its {name} serves Megatron's fp8 experts")
-        return obj
-    return build
+    return _served_without_te(name, obj, "Megatron's fp8 experts")
 
 
 _MOE_FP8_TE_VERSIONS = ("1.7.0.dev0", "1.11.0")

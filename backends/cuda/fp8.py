@@ -25,6 +25,7 @@ from megatron_adapt import report
 from megatron_adapt.backends.fp8_scaling import FP8_MAX, Fp8Scaling, current_scale
 
 from ._common import cdiv, interpreting
+from .moe import group_offsets, grouped_gemm
 
 try:
     import triton
@@ -557,8 +558,6 @@ def fp8_grouped_gemm(x, w, tokens_per_expert, recipe):
     _Fp8GroupedLinear). tokens_per_expert: host ints (Megatron's m_splits); every group a multiple of
     16 rows (Megatron's Fp8Padding), in_features and out_features multiples of 16; otherwise a
     reported bf16 grouped GEMM."""
-    from .moe import group_offsets, grouped_gemm
-
     sizes = [int(n) for n in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
                               else tokens_per_expert)]
     odd = [n for n in sizes if n % GROUP_ALIGN]
