@@ -475,3 +475,27 @@ def test_grouped_quantizer_kernels_equal_the_pytorch_quantizers(which, monkeypat
     # the interpreter's known rounding errors (module doc) touch a few % of the elements; a wrong
     # scale, layout or group boundary would leave almost none equal
     assert (got == ref).float().mean() > 0.9, float((got == ref).float().mean())
+
+
+@pytest.mark.skipif(fp8.triton is None, reason="Triton is not installed")
+@pytest.mark.parametrize("shape", [(48, 80), (37, 19), (3, 2100)])
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
+def test_amax_kernel_equals_torchs_inf_norm(shape, src):
+    """The tensorwise amax pass (one Triton read, per-tile maxima atomically combined) gives exactly
+    torch's inf-norm, also over rows with a stride (a column slice), and inf where there is a NaN."""
+    if DEV == "cpu" and not fp8.interpreting():
+        pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1")
+    torch.manual_seed(2)
+    wide = (torch.randn(shape[0], shape[1] + 7) * 3).to(src).to(DEV)
+    wide[-1, shape[1] + 3] = 1e4          # outside the slice: must not count
+    x = wide[:, :shape[1]]
+    x[shape[0] // 2, shape[1] - 1] = -91.5
+    assert x.stride(0) != x.shape[1]
+    got = fp8._amax_triton(x)
+    ref = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).reshape(1)
+    assert got.dtype == torch.float32 and torch.equal(got, ref) and got.item() == 91.5
+    x[0, 0] = float("nan")
+    assert fp8._amax_triton(x).item() == float("inf")
+    # and quantize's tensorwise scale is the one that amax gives
+    _, _, sinv = fp8.quantize(x[1:], E4, False, None)
+    torch.testing.assert_close(sinv, torch.tensor([91.5 / FP8_MAX[E4]], device=DEV))
