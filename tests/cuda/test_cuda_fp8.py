@@ -499,3 +499,35 @@ def test_amax_kernel_equals_torchs_inf_norm(shape, src):
     # and quantize's tensorwise scale is the one that amax gives
     _, _, sinv = fp8.quantize(x[1:], E4, False, None)
     torch.testing.assert_close(sinv, torch.tensor([91.5 / FP8_MAX[E4]], device=DEV))
+
+
+@pytest.mark.skipif(fp8.triton is None, reason="Triton is not installed")
+@pytest.mark.parametrize("length", [1, 5])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+def test_delayed_update_kernel_equals_the_reference(length, algo, fmt):
+    """The one-launch delayed-scaling update leaves the history and the scales exactly as
+    Fp8Scaling.update does: the roll, the zeroed row, amax by either algorithm, the margin, the
+    interval, and the kept scale where the amax is 0, inf or NaN."""
+    if DEV == "cpu" and not fp8.interpreting():
+        pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1")
+    recipe = Fp8Recipe(format=fmt, recipe="delayed", margin=1, interval=2, amax_history_len=length,
+                       amax_compute_algo=algo)
+    torch.manual_seed(3)
+    rows = [torch.rand(length, 2) * 50, torch.zeros(length, 2), torch.rand(length, 2)]
+    rows[2][0, 0], rows[2][-1, 1] = float("inf"), float("nan")
+    for hist_fwd in rows:
+        ref, got = Fp8Scaling(recipe, device=DEV), Fp8Scaling(recipe, device=DEV)
+        for s in (ref, got):
+            s.amax_history["fwd"].copy_(hist_fwd)
+            s.amax_history["bwd"].copy_(hist_fwd[:, :1] * 3)
+            s.scale["fwd"].copy_(torch.tensor([7.0, 9.0]))
+        for step in range(3):    # interval 2: the scale changes at updates 1 and 3 only
+            for d in ("fwd", "bwd"):
+                ref.update(d)
+                fp8._delayed_update(got, d)
+                torch.testing.assert_close(got.amax_history[d], ref.amax_history[d], rtol=0, atol=0, equal_nan=True)
+                torch.testing.assert_close(got.scale[d], ref.scale[d], rtol=1e-6, atol=0)
+                assert got.updates[d] == ref.updates[d]
+            for s in (ref, got):   # this step's amaxes recorded, as the casts would
+                s.amax_history["fwd"][0].copy_(torch.tensor([3.0 + step, 0.5]))
