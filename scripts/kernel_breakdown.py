@@ -22,9 +22,11 @@ from collections import defaultdict
 
 # first match wins; order matters (fp8 GEMMs before GEMMs, our Triton kernels before elementwise)
 CATEGORIES = [
-    ("gemm fp8", r"(e4m3|e5m2|f8f8|fp8|_qqt|qgmma|Float8)"),
+    # cuBLASLt's nvjet kernels name their operand types: nvjet_sm90_qq... (e4m3 x e4m3), _qr...
+    # (e4m3 x e5m2), _tst / _tss (bf16)
+    ("gemm fp8", r"(e4m3|e5m2|f8f8|fp8|nvjet_sm\d+_q|qgmma|Float8)"),
+    ("attention", r"(flash|fmha|cudnn|sdpa|attn|attention)"),   # cuDNN's SDPA kernels say wgmma too
     ("gemm", r"(gemm|nvjet|cutlass|xmma|cublas|s16816|s1688|wgmma|splitK|splitk)"),
-    ("attention", r"(flash|fmha|cudnn|sdpa|attn|attention)"),
     ("fp8 casts (Triton)", r"(_cast|_amax|_quant|_rows_kernel|_group_columns|_scale)"),
     ("fp8 amax (torch reduce)", r"(AbsMaxOps)"),
     ("norms", r"(norm)"),
