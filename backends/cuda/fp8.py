@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover - the cuda backend needs Triton for its 
     triton = None
 
 ALIGN = 16   # cuBLASLt fp8: every GEMM dimension a multiple of 16
+ROWS_IN_ONE_READ = 8192   # rowwise quantization holds rows up to this many elements in registers
 
 
 def fp8_unavailable(recipe: str = "tensorwise") -> str | None:
@@ -476,6 +477,23 @@ if triton is not None:
         tl.store(s_ptr + tl.program_id(0), 1.0 / s)
 
     @triton.jit
+    def _rows_tile_kernel(x_ptr, y_ptr, s_ptr, R, C, FP8_MAX: tl.constexpr, BR: tl.constexpr,
+                          BC: tl.constexpr):
+        """BR whole rows (C <= BC) of a contiguous [R, C] in one read: each row's amax from the
+        registers, then its cast with scale = FP8_MAX / amax."""
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        cols = tl.arange(0, BC)
+        m = (rows[:, None] < R) & (cols[None, :] < C)
+        off = rows[:, None].to(tl.int64) * C + cols[None, :]
+        x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), 1)
+        ok = (amax > 0.0) & (amax < float("inf"))
+        s = tl.where(ok, FP8_MAX / tl.where(ok, amax, 1.0), 1.0)
+        y = tl.minimum(tl.maximum(x * s[:, None], -FP8_MAX), FP8_MAX)
+        tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=m)
+        tl.store(s_ptr + rows, 1.0 / s, mask=rows < R)
+
+    @triton.jit
     def _group_columns_kernel(x_ptr, y_ptr, s_ptr, ends_ptr, C, stride_oc, group_shift,
                               FP8_MAX: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
         """Rows ends[g-1]..ends[g] of a contiguous [R, C], columns of one block: the amax of each
@@ -521,8 +539,17 @@ def quantize_rowwise(t: torch.Tensor, dtype: torch.dtype):
         y = torch.empty(t.shape, dtype=dtype, device=t.device)
         s_inv = torch.empty(t.shape[:-1], dtype=torch.float32, device=t.device)
         c = t.shape[-1]
-        _rows_kernel[(t.numel() // c,)](t, y, s_inv, c, FP8_MAX=FP8_MAX[dtype],
-                                        BC=32 if interpreting() else 1024, num_warps=4)
+        r = t.numel() // c
+        bc = triton.next_power_of_2(c)
+        if bc <= ROWS_IN_ONE_READ:   # whole rows held in registers: x read once
+            br = max(1, min(ROWS_IN_ONE_READ // bc, triton.next_power_of_2(r)))
+            if interpreting():
+                br = min(br, 4)
+            _rows_tile_kernel[(cdiv(r, br),)](t, y, s_inv, r, c, FP8_MAX=FP8_MAX[dtype], BR=br, BC=bc,
+                                              num_warps=8 if br * bc >= 4096 else 4)
+        else:                        # longer rows: two passes over each row (the second from cache)
+            _rows_kernel[(r,)](t, y, s_inv, c, FP8_MAX=FP8_MAX[dtype],
+                               BC=32 if interpreting() else 1024, num_warps=4)
         return y, s_inv
     fp8_max = FP8_MAX[dtype]
     tf = t.float()

@@ -446,7 +446,7 @@ def test_grouped_unaligned_rows_fall_back_reported():
 
 
 @pytest.mark.skipif(fp8.triton is None, reason="Triton is not installed")
-@pytest.mark.parametrize("which", ["rows", "group columns", "weight columns"])
+@pytest.mark.parametrize("which", ["rows", "long rows", "group columns", "weight columns"])
 def test_grouped_quantizer_kernels_equal_the_pytorch_quantizers(which, monkeypatch):
     """The Triton quantizers of the grouped linear against the same math in PyTorch: the same
     scales (to an ulp of the reciprocal), every fp8 element equal to torch's cast (under the
@@ -459,7 +459,9 @@ def test_grouped_quantizer_kernels_equal_the_pytorch_quantizers(which, monkeypat
     ends = torch.tensor(sizes, device=DEV).cumsum(0).to(torch.int32)
     groups = torch.repeat_interleave(torch.arange(len(sizes), device=DEV), torch.tensor(sizes, device=DEV))
     w = torch.randn(3, 48, c, device=DEV, dtype=torch.bfloat16)
-    run = {"rows": lambda: fp8.quantize_rowwise(w, E4),
+    long_rows = torch.randn(5, fp8.ROWS_IN_ONE_READ + 48, device=DEV, dtype=torch.bfloat16)
+    run = {"rows": lambda: fp8.quantize_rowwise(w, E4),    # whole rows in one read
+           "long rows": lambda: fp8.quantize_rowwise(long_rows, E4),   # two passes per row
            "group columns": lambda: fp8.quantize_group_columns(x, groups, len(sizes), E4, ends),
            "weight columns": lambda: fp8.quantize_weight_columns(w, E4)}[which]
     got8, got_s = run()
