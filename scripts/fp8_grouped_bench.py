@@ -7,7 +7,7 @@ grouped GEMM (`torch._grouped_mm`), forward + backward, at the MoE bench's exper
 
 For each linear: ms of the bare GEMMs (bf16 and fp8, operands pre-quantized), of the quantizers
 alone (GB/s over the bytes they read and write, and % of a device-to-device copy of the same bytes
-measured in this run), and of the whole autograd op, fwd+bwd; TFLOP/s over the 3 GEMMs' FLOPs.
+measured in this run; all six, and the two per-row ones of x and dy), and of the whole autograd op, fwd+bwd; TFLOP/s over the 3 GEMMs' FLOPs.
 triton.testing.do_bench medians. Prints the host CPU and the GPU; writes $OUT/fp8_grouped_bench.json.
 """
 import json
@@ -67,6 +67,8 @@ def main():
                                fp8.quantize_group_columns(dy, groups, len(sizes), E4, offs),
                                fp8.quantize_group_columns(x, groups, len(sizes), E4, offs)))
         qbytes = 3 * (2 * x.numel() + 2 * w.numel() + 2 * dy.numel())       # bf16 read + fp8 write, x3 roles
+        rows_q = bench(lambda: (fp8.quantize_rowwise(x, E4), fp8.quantize_rowwise(dy, E4)))
+        rows_bytes = 3 * (x.numel() + dy.numel())
         x8, sx = fp8.quantize_rowwise(x, E4)
         w8, sw = fp8.quantize_rowwise(w, E4)
         gemm8 = bench(lambda: torch._scaled_grouped_mm(x8, w8.transpose(-2, -1), sx, sw, offs=offs,
@@ -77,7 +79,9 @@ def main():
                      "bf16_tflops": flops / bf16 / 1e9, "fp8_tflops": flops / f8 / 1e9,
                      "fwd_gemm_bf16_ms": gemm16, "fwd_gemm_fp8_ms": gemm8,
                      "quantizers_ms": quant, "quantizers_gbs": qbytes / quant / 1e6,
-                     "quantizers_pct_copy": 100 * qbytes / quant / 1e6 / copy_gbs})
+                     "quantizers_pct_copy": 100 * qbytes / quant / 1e6 / copy_gbs,
+                     "row_quantizers_ms": rows_q,    # x and dy per row (forward, dgrad)
+                     "row_quantizers_pct_copy": 100 * rows_bytes / rows_q / 1e6 / copy_gbs})
     res = {"gpu": torch.cuda.get_device_name(), "host_cpu": f"{cpu_model()}, {os.cpu_count()} vCPU",
            "torch": torch.__version__, "copy_gbs": copy_gbs, "rows": rows}
     print(json.dumps(res, indent=1))
