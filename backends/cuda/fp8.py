@@ -494,40 +494,72 @@ if triton is not None:
         tl.store(s_ptr + rows, 1.0 / s, mask=rows < R)
 
     @triton.jit
-    def _group_columns_kernel(x_ptr, y_ptr, s_ptr, ends_ptr, C, stride_oc, group_shift,
-                              FP8_MAX: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-        """Rows ends[g-1]..ends[g] of a contiguous [R, C], columns of one block: the amax of each
-        column over the group's rows, then the cast stored transposed, element (r, c) of group g at
-        c * stride_oc + r + g * group_shift; scale_inv of (g, c) at g * C + c."""
-        g = tl.program_id(0)
+    def _group_split(ends_ptr, g, sp, SPLITS, BT: tl.constexpr):
+        """Rows of group g (ends[g-1]..ends[g]) that split sp of SPLITS takes: whole BT tiles."""
         r0 = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
         r1 = tl.load(ends_ptr + g)
+        chunk = tl.cdiv(tl.cdiv(r1 - r0, SPLITS), BT) * BT
+        lo = r0 + sp * chunk
+        return lo, tl.minimum(r1, lo + chunk)
+
+    @triton.jit
+    def _group_columns_amax_kernel(x_ptr, amax_ptr, ends_ptr, C, SPLITS,
+                                   BT: tl.constexpr, BC: tl.constexpr):
+        """Pass 1: the amax of each column of one block over a split of group g's rows of a
+        contiguous [R, C], max-combined atomically into amax[g, c]."""
+        g, sp = tl.program_id(0), tl.program_id(2)
+        lo, hi = _group_split(ends_ptr, g, sp, SPLITS, BT)
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         cm = cols < C
         acc = tl.zeros([BC], dtype=tl.float32)
-        for t0 in range(r0, r1, BT):
+        for t0 in range(lo, hi, BT):
             rows = t0 + tl.arange(0, BT)
-            m = (rows[:, None] < r1) & cm[None, :]
+            m = (rows[:, None] < hi) & cm[None, :]
             v = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0)
             acc = tl.maximum(acc, tl.max(tl.abs(v.to(tl.float32)), 0))
-        ok = (acc > 0.0) & (acc < float("inf"))
-        s = tl.where(ok, FP8_MAX / tl.where(ok, acc, 1.0), 1.0)
-        for t0 in range(r0, r1, BT):
+        tl.atomic_max(amax_ptr + g * C + cols, acc, mask=cm)
+
+    @triton.jit
+    def _group_columns_cast_kernel(x_ptr, y_ptr, s_ptr, amax_ptr, ends_ptr, C, stride_oc, group_shift,
+                                   SPLITS, FP8_MAX: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+        """Pass 2: the same split cast with scale = FP8_MAX / amax[g, c], stored transposed: element
+        (r, c) of group g at c * stride_oc + r + g * group_shift; scale_inv of (g, c) at g * C + c."""
+        g, sp = tl.program_id(0), tl.program_id(2)
+        lo, hi = _group_split(ends_ptr, g, sp, SPLITS, BT)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        cm = cols < C
+        amax = tl.load(amax_ptr + g * C + cols, mask=cm, other=0.0)
+        ok = (amax > 0.0) & (amax < float("inf"))
+        s = tl.where(ok, FP8_MAX / tl.where(ok, amax, 1.0), 1.0)
+        for t0 in range(lo, hi, BT):
             rows = t0 + tl.arange(0, BT)
-            m = (rows[:, None] < r1) & cm[None, :]
+            m = (rows[:, None] < hi) & cm[None, :]
             v = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0)
             y = tl.minimum(tl.maximum(v.to(tl.float32) * s[None, :], -FP8_MAX), FP8_MAX)
             out = cols[None, :].to(tl.int64) * stride_oc + rows[:, None] + g.to(tl.int64) * group_shift
             tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=m)
-        tl.store(s_ptr + g * C + cols, 1.0 / s, mask=cm)
+        if sp == 0:
+            tl.store(s_ptr + g * C + cols, 1.0 / s, mask=cm)
+
+
+GROUP_COLUMN_PROGRAMS = 1024   # split each expert's rows until about this many programs run
 
 
 def _group_columns_triton(x, ends, num_groups, dtype, stride_oc, group_shift, out_shape):
+    """Two launches over (expert, column block, row split): the amaxes, then the cast. Splitting an
+    expert's rows keeps enough programs in flight at 8 experts (one program per expert and
+    column block left a 2048-column tensor 256 programs: under half the copy bandwidth)."""
+    c = x.shape[1]
     y = torch.empty(out_shape, dtype=dtype, device=x.device)
-    s_inv = torch.empty(num_groups * x.shape[1], dtype=torch.float32, device=x.device)
+    s_inv = torch.empty(num_groups * c, dtype=torch.float32, device=x.device)
+    amax = torch.zeros(num_groups * c, dtype=torch.float32, device=x.device)
     bt, bc = (16, 16) if interpreting() else (64, 64)
-    _group_columns_kernel[(num_groups, cdiv(x.shape[1], bc))](
-        x, y, s_inv, ends, x.shape[1], stride_oc, group_shift, FP8_MAX=FP8_MAX[dtype], BT=bt, BC=bc, num_warps=4)
+    blocks = cdiv(c, bc)
+    splits = max(1, min(16, GROUP_COLUMN_PROGRAMS // max(1, num_groups * blocks)))
+    grid = (num_groups, blocks, splits)
+    _group_columns_amax_kernel[grid](x, amax, ends, c, splits, BT=bt, BC=bc, num_warps=4)
+    _group_columns_cast_kernel[grid](x, y, s_inv, amax, ends, c, stride_oc, group_shift, splits,
+                                     FP8_MAX=FP8_MAX[dtype], BT=bt, BC=bc, num_warps=4)
     return y, s_inv
 
 
@@ -563,7 +595,7 @@ def quantize_group_columns(t: torch.Tensor, groups: torch.Tensor, num_groups: in
     """t [T, C], rows grouped by expert (groups [T] int64; ends: the int32 end offsets) -> (t8^T
     [C, T] contiguous, scale_inv [E * C] fp32): one scale per (expert, column), the amax over that
     expert's rows: the operand layout of the wgrad GEMM, whose reduction runs over each expert's
-    tokens. One Triton kernel (two passes over each block) on CUDA tensors."""
+    tokens. Two Triton launches (amaxes, then the cast) on CUDA tensors."""
     if ends is not None and _triton_here(t):
         t = t.contiguous()
         return _group_columns_triton(t, ends, num_groups, dtype, t.shape[0], 0, (t.shape[1], t.shape[0]))
