@@ -158,6 +158,49 @@ class _StackExpertWeights(torch.autograd.Function):
         return (None, *grads)
 
 
+class _GroupedWgradIntoMainGrad(torch.autograd.Function):
+    """A bf16 grouped linear whose weight gradients go straight into the experts' `main_grad`:
+    one backend `wgrad_accumulate` per expert (on cuda a GEMM that adds into the fp32 main_grad,
+    beta = 1, as TE's grouped linear does with fuse_wgrad_accumulation), from the host sizes.
+    The stacked path (`_StackExpertWeights`) writes a bf16 dW, rounding it, and adds it in a
+    second pass over every main_grad: 41 ms of the MoE bench's 336 ms of bf16 kernels on an H100
+    (docs/moe.md). Forward and dgrad stay one grouped GEMM each."""
+
+    @staticmethod
+    def forward(ctx, x, splits, ops, *weights):
+        grouped, _ = ops
+        stacked = torch.stack(weights)
+        ctx.save_for_backward(x, stacked)
+        ctx.splits, ctx.ops, ctx.weights = splits, ops, weights
+        return grouped(x, stacked, splits, True)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, stacked = ctx.saved_tensors
+        grouped, wgrad = ctx.ops
+        weights, ctx.weights = ctx.weights, None
+        dy = dy.contiguous()
+        dx = grouped(dy, stacked, ctx.splits, False) if ctx.needs_input_grad[0] else None
+        dummy, grads, r0 = torch.empty_like(stacked), [], 0
+        for w, d, n in zip(weights, dummy.unbind(0), ctx.splits):
+            if n:
+                wgrad(x[r0:r0 + n], dy[r0:r0 + n], w.main_grad)
+            r0 += n
+            if getattr(w, "zero_out_wgrad", False):  # Megatron adds this one (its cuda-graph path)
+                d = torch.zeros_like(d)
+            w.grad_added_to_main_grad = True
+            grads.append(d)
+        return (dx, None, None, *grads)
+
+
+def _host_splits(m_splits):
+    """The experts' row counts as Python ints when the host has them (a list, or a CPU tensor as
+    Megatron's dispatchers give them), else None (sizes on the device: reading them would sync)."""
+    if torch.is_tensor(m_splits):
+        return [int(n) for n in m_splits.tolist()] if m_splits.device.type == "cpu" else None
+    return [int(n) for n in m_splits]
+
+
 def grouped_linear_classes(backend):
     """(column, row) grouped-linear builders for core_v0.17+'s TEGroupedMLP on the backend's
     grouped_gemm op, with the constructor, forward and checkpoint layout of TE's
@@ -179,6 +222,7 @@ def _grouped_linear_classes(backend):
     from megatron_adapt.patches.fp8 import active_recipe
 
     grouped_gemm, grouped_wgrad = backend.op("grouped_gemm"), backend.op("grouped_gemm_wgrad")
+    wgrad_accumulate = backend.op("wgrad_accumulate")
 
     class AdaptGroupedLinear(DelayedWgradGroupedMixin, torch.nn.Module):
         """`num_gemms` linears (one per local expert), weights `weight{i}` [out, in] as TE's
@@ -259,9 +303,14 @@ def _grouped_linear_classes(backend):
                                                     *weights)
             else:
                 recipe = active_recipe() if self._fp8_gemm is not None else None
-                stacked = _StackExpertWeights.apply(fuse, *weights)
-                out = (grouped_gemm(x, stacked, m_splits, True) if recipe is None
-                       else self._fp8_gemm(x, stacked, m_splits, recipe))
+                splits = _host_splits(m_splits) if fuse and recipe is None else None
+                if splits is not None and any(w.requires_grad for w in weights):
+                    out = _GroupedWgradIntoMainGrad.apply(x, splits, (grouped_gemm, wgrad_accumulate),
+                                                          *weights)
+                else:
+                    stacked = _StackExpertWeights.apply(fuse, *weights)
+                    out = (grouped_gemm(x, stacked, m_splits, True) if recipe is None
+                           else self._fp8_gemm(x, stacked, m_splits, recipe))
             if not self.use_bias:
                 return out, None
             biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]

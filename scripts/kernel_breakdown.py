@@ -1,7 +1,8 @@
 """GPU kernel time of profiled training steps, by kind: where a step's GPU time goes.
 
 Reads the Chrome trace(s) that torch.profiler writes (Megatron's `--profile --use-pytorch-profiler
---profile-step-start S --profile-step-end E --tensorboard-dir DIR` writes `DIR/*.pt.trace.json`) and
+--profile-step-start S --profile-step-end E --tensorboard-dir DIR` writes `DIR/*.pt.trace.json` on
+core 0.16, `DIR/../torch_profile/rank-N.json.gz` on core 0.19: pass the folder above both) and
 sums every GPU kernel's duration by category (kernel names; inside CUDA graphs the kernels keep their
 names but not the op that launched them, so names are all there is), plus the top kernels by time and
 the GPU-busy time (union of kernel intervals) against the traced wall span.
@@ -39,6 +40,10 @@ CATEGORIES = [
     ("reductions", r"(reduce|Reduce|sum_|norm_kernel)"),
     ("elementwise / copies", r"(elementwise|vectorized|unrolled|copy|Copy|fill|Fill|cat_|index|gather|scatter)"),
 ]
+
+
+# core 0.16 (tensorboard_trace_handler): DIR/*.pt.trace.json; core 0.19: DIR/../torch_profile/rank-N.json.gz
+TRACE_PATTERNS = ("*.pt.trace.json*", "rank-*.json.gz")
 
 
 def _category(name: str) -> str:
@@ -105,9 +110,9 @@ def main():
     ap.add_argument("--top", type=int, default=40)
     args = ap.parse_args()
     paths = [args.path] if os.path.isfile(args.path) else sorted(
-        glob.glob(os.path.join(args.path, "**", "*.pt.trace.json*"), recursive=True))
+        p for pattern in TRACE_PATTERNS for p in glob.glob(os.path.join(args.path, "**", pattern), recursive=True))
     if not paths:
-        raise SystemExit(f"no *.pt.trace.json under {args.path}")
+        raise SystemExit(f"no {' or '.join(TRACE_PATTERNS)} under {args.path}")
     out = breakdown(paths, args.steps, args.top)
     print(f"{'category':28s} ms/step   share")
     for k, v in out["categories_ms_per_step"].items():

@@ -51,6 +51,15 @@ def test_kernels_are_summed_by_kind(tmp_path):
     assert "gemm fp8" in text
 
 
+def test_core_019s_gzipped_trace_is_found(tmp_path):
+    import gzip
+    (tmp_path / "torch_profile").mkdir()
+    with gzip.open(tmp_path / "torch_profile" / "rank-0.json.gz", "wt") as f:
+        json.dump({"traceEvents": [{"ph": "X", "cat": "kernel", "name": "_cast_kernel", "ts": 0, "dur": 40}]}, f)
+    proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 0 and "fp8 casts (Triton)" in proc.stdout and "0.04" in proc.stdout
+
+
 def test_no_trace_is_an_error_that_says_where(tmp_path):
     proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode != 0 and "no *.pt.trace.json" in proc.stderr

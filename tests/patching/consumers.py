@@ -548,16 +548,20 @@ def _grouped_experts_fused_wgrad(experts, x, sizes, probs, g, w1_ref, w2_ref):
         w.grad, w.grad_added_to_main_grad = None, False
         w.main_grad = torch.ones(w.shape, dtype=torch.float32)
     fusion, experts.config.gradient_accumulation_fusion = experts.config.gradient_accumulation_fusion, True
+    before = counted("wgrad_accumulate")
     try:
         y, _ = experts(x.detach(), sizes, probs.detach())
         y.backward(g)
     finally:
         experts.config.gradient_accumulation_fusion = fusion
+    calls = counted("wgrad_accumulate") - before
     e = experts.num_local_experts
     main1 = torch.stack([getattr(experts.linear_fc1, f"weight{i}").main_grad.t() for i in range(e)])
     main2 = torch.stack([getattr(experts.linear_fc2, f"weight{i}").main_grad.t() for i in range(e)])
     res = {"main_grad": close(main1 - 1, w1_ref.grad, 1e-5) and close(main2 - 1, w2_ref.grad, 1e-5),
-           "flagged": all(w.grad_added_to_main_grad for w in weights)}
+           "flagged": all(w.grad_added_to_main_grad for w in weights),
+           # one GEMM into main_grad per expert with rows, per linear (host sizes)
+           "wgrad_accumulate_per_expert": calls == 2 * int((torch.as_tensor(sizes) > 0).sum())}
     for w in weights:
         del w.main_grad, w.grad_added_to_main_grad
         w.grad = None

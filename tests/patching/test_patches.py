@@ -389,7 +389,8 @@ class TestMoE(PatchContract):
             assert res["experts_class"] == "TEGroupedMLP", res
             assert res["grouped_linears"] == ["AdaptColumnParallelGroupedLinear",
                                               "AdaptRowParallelGroupedLinear"], res
-            assert res["experts_fused_wgrad"] == {"main_grad": True, "flagged": True}, res
+            assert res["experts_fused_wgrad"] == {"main_grad": True, "flagged": True,
+                                                  "wgrad_accumulate_per_expert": True}, res
         else:  # no biases: GroupedMLP (with biases TEGroupedMLP: below, and test_moe_bias.py)
             assert res["experts_class"] == "GroupedMLP", res
         # with add_bias_linear: TEGroupedMLP on the grouped linears on every release
