@@ -604,10 +604,27 @@ def _grouped_experts_with_bias(config, sizes):
     ref = torch.cat(rows)
     ref.backward(g.double())
     named = dict(experts.named_parameters())
-    return {"matches": close(y, ref, 1e-5),
-            "grads_match": close(x.grad, xr.grad, 1e-5) and close(probs.grad, pr.grad, 1e-5)
-            and all(close(named[n].grad, p64[n].grad, 1e-5) for n in named),
-            "bias_grads_nonzero": bool(named["linear_fc2.bias0"].grad.abs().sum() > 0)}
+    res = {"matches": close(y, ref, 1e-5),
+           "grads_match": close(x.grad, xr.grad, 1e-5) and close(probs.grad, pr.grad, 1e-5)
+           and all(close(named[n].grad, p64[n].grad, 1e-5) for n in named),
+           "bias_grads_nonzero": bool(named["linear_fc2.bias0"].grad.abs().sum() > 0)}
+    # with gradient_accumulation_fusion and main_grad buffers (every release: 0.15-0.16 build these
+    # grouped linears for biased experts): the weight gradients added into main_grad in the GEMM,
+    # one wgrad_accumulate per expert with rows; biases keep their autograd grads
+    weights = [p for n, p in named.items() if ".weight" in n]
+    for w in weights:
+        w.main_grad, w.grad_added_to_main_grad = torch.ones(w.shape, dtype=torch.float32), False
+    fusion, before = experts.config.gradient_accumulation_fusion, counted("wgrad_accumulate")
+    experts.config.gradient_accumulation_fusion = True
+    try:
+        y2, _ = experts(x.detach(), sizes, probs.detach())
+        y2.backward(g)
+    finally:
+        experts.config.gradient_accumulation_fusion = fusion
+    res["fused_wgrad"] = (all(close(named[n].main_grad - 1, p64[n].grad, 1e-5) for n in named if ".weight" in n)
+                          and all(w.grad_added_to_main_grad for w in weights)
+                          and counted("wgrad_accumulate") - before == 2 * int((sizes > 0).sum()))
+    return res
 
 
 @check("moe")

@@ -395,7 +395,7 @@ class TestMoE(PatchContract):
             assert res["experts_class"] == "GroupedMLP", res
         # with add_bias_linear: TEGroupedMLP on the grouped linears on every release
         assert res["experts_with_bias"] == {"matches": True, "grads_match": True,
-                                            "bias_grads_nonzero": True}, res
+                                            "bias_grads_nonzero": True, "fused_wgrad": True}, res
         assert res["grouped_gemm_calls"] == 2, res  # fc1 and fc2, fp32 (stock 0.16: bf16 only)
         assert res["experts_match"] and res["experts_grads_match"] and res["empty_expert_grad_zero"], res
         fused, unfused = res["calls_fused_True"], res["calls_fused_False"]
