@@ -148,14 +148,18 @@ class _StackExpertWeights(torch.autograd.Function):
             return (None, *grad.contiguous().unbind(0))
         weights, ctx.weights = ctx.weights, None
         torch._foreach_add_([w.main_grad for w in weights], list(grad.unbind(0)))
-        dummy = torch.empty_like(grad)
-        grads = []
-        for w, d in zip(weights, dummy.unbind(0)):
-            if getattr(w, "zero_out_wgrad", False):  # Megatron adds this one (its cuda-graph path)
-                d = torch.zeros_like(d)
-            w.grad_added_to_main_grad = True
-            grads.append(d)
-        return (None, *grads)
+        return (None, *_main_grad_dummies(weights, grad))
+
+
+def _main_grad_dummies(weights, stacked_like):
+    """The grads autograd gets for weights whose gradient went into `main_grad`: dummies, each
+    weight flagged `grad_added_to_main_grad` (Megatron's protocol; zeros where Megatron asks
+    for them with `zero_out_wgrad`, its cuda-graph path)."""
+    grads = []
+    for w, d in zip(weights, torch.empty_like(stacked_like).unbind(0)):
+        w.grad_added_to_main_grad = True
+        grads.append(torch.zeros_like(d) if getattr(w, "zero_out_wgrad", False) else d)
+    return grads
 
 
 class _GroupedWgradIntoMainGrad(torch.autograd.Function):
@@ -181,16 +185,12 @@ class _GroupedWgradIntoMainGrad(torch.autograd.Function):
         weights, ctx.weights = ctx.weights, None
         dy = dy.contiguous()
         dx = grouped(dy, stacked, ctx.splits, False) if ctx.needs_input_grad[0] else None
-        dummy, grads, r0 = torch.empty_like(stacked), [], 0
-        for w, d, n in zip(weights, dummy.unbind(0), ctx.splits):
+        r0 = 0
+        for w, n in zip(weights, ctx.splits):
             if n:
                 wgrad(x[r0:r0 + n], dy[r0:r0 + n], w.main_grad)
             r0 += n
-            if getattr(w, "zero_out_wgrad", False):  # Megatron adds this one (its cuda-graph path)
-                d = torch.zeros_like(d)
-            w.grad_added_to_main_grad = True
-            grads.append(d)
-        return (dx, None, None, *grads)
+        return (dx, None, None, *_main_grad_dummies(weights, stacked))
 
 
 def _host_splits(m_splits):

@@ -130,14 +130,14 @@ def _delayed_update(scaling: Fp8Scaling, direction: str) -> None:
     (docs/fp8.md). The reference stays `Fp8Scaling.update`, which CPU state takes."""
     hist, scale, r = scaling.amax_history[direction], scaling.scale[direction], scaling.recipe
     if not _triton_here(hist):
-        return scaling.update(direction)
+        scaling.update(direction)
+        return
     scaling.updates[direction] += 1
     set_scale = (scaling.updates[direction] - 1) % r.interval == 0
     n, k = hist.shape
     _delayed_update_kernel[(1,)](hist, scale, n, k, scaling.fp8_max(direction), 2.0 ** r.margin,
                                  int(set_scale), USE_MAX=r.amax_compute_algo == "max",
                                  BN=triton.next_power_of_2(n), BK=triton.next_power_of_2(k), num_warps=4)
-    return None
 
 
 def _amax_triton(x):
@@ -459,6 +459,12 @@ def grouped_unavailable(device=None) -> str | None:
 
 if triton is not None:
     @triton.jit
+    def _scale_from_amax(amax, FP8_MAX: tl.constexpr):
+        """Current scaling: FP8_MAX / amax, 1 where amax is 0 or not finite."""
+        ok = (amax > 0.0) & (amax < float("inf"))
+        return tl.where(ok, FP8_MAX / tl.where(ok, amax, 1.0), 1.0)
+
+    @triton.jit
     def _rows_kernel(x_ptr, y_ptr, s_ptr, C, FP8_MAX: tl.constexpr, BC: tl.constexpr):
         """One row of a contiguous [R, C]: its amax, then the cast with scale = FP8_MAX / amax."""
         base = tl.program_id(0).to(tl.int64) * C
@@ -466,9 +472,7 @@ if triton is not None:
         for c0 in range(0, C, BC):
             cols = c0 + tl.arange(0, BC)
             acc = tl.maximum(acc, tl.abs(tl.load(x_ptr + base + cols, mask=cols < C, other=0.0).to(tl.float32)))
-        amax = tl.max(acc, 0)
-        ok = (amax > 0.0) & (amax < float("inf"))
-        s = tl.where(ok, FP8_MAX / tl.where(ok, amax, 1.0), 1.0)
+        s = _scale_from_amax(tl.max(acc, 0), FP8_MAX)
         for c0 in range(0, C, BC):
             cols = c0 + tl.arange(0, BC)
             v = tl.load(x_ptr + base + cols, mask=cols < C, other=0.0).to(tl.float32)
@@ -486,9 +490,7 @@ if triton is not None:
         m = (rows[:, None] < R) & (cols[None, :] < C)
         off = rows[:, None].to(tl.int64) * C + cols[None, :]
         x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), 1)
-        ok = (amax > 0.0) & (amax < float("inf"))
-        s = tl.where(ok, FP8_MAX / tl.where(ok, amax, 1.0), 1.0)
+        s = _scale_from_amax(tl.max(tl.abs(x), 1), FP8_MAX)
         y = tl.minimum(tl.maximum(x * s[:, None], -FP8_MAX), FP8_MAX)
         tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=m)
         tl.store(s_ptr + rows, 1.0 / s, mask=rows < R)
@@ -528,9 +530,7 @@ if triton is not None:
         lo, hi = _group_split(ends_ptr, g, sp, SPLITS, BT)
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         cm = cols < C
-        amax = tl.load(amax_ptr + g * C + cols, mask=cm, other=0.0)
-        ok = (amax > 0.0) & (amax < float("inf"))
-        s = tl.where(ok, FP8_MAX / tl.where(ok, amax, 1.0), 1.0)
+        s = _scale_from_amax(tl.load(amax_ptr + g * C + cols, mask=cm, other=0.0), FP8_MAX)
         for t0 in range(lo, hi, BT):
             rows = t0 + tl.arange(0, BT)
             m = (rows[:, None] < hi) & cm[None, :]
