@@ -4,6 +4,16 @@ import subprocess
 import sys
 
 
+def free_port() -> str:
+    """A free local port: fixed ports collide when two test runs share the machine (CI runs the two
+    Pythons' suites side by side)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 def run_python(code_or_args, env=None, timeout=300, check=True):
     """Run python in a fresh interpreter; returns CompletedProcess (text)."""
     full_env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **(env or {})}

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from adapt_testutil import run_python
+from adapt_testutil import free_port, run_python
 
 NOTHING_PATCHED = textwrap.dedent("""
     import torch, torch.distributed as dist
@@ -404,7 +404,7 @@ def test_batch_first_attention_layout_matches_megatron():
     gives Megatron's own result (causal with the dataloader mask, and a padding mask)."""
     code = textwrap.dedent("""
         import os, torch
-        os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='29533', RANK='0', WORLD_SIZE='1')
+        os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=os.environ['PROBE_PORT'], RANK='0', WORLD_SIZE='1')
         import megatron_adapt
         megatron_adapt.apply('cpu', quiet=True)
         import torch.distributed as dist
@@ -426,7 +426,8 @@ def test_batch_first_attention_layout_matches_megatron():
         ok &= torch.allclose(core(q, k, v, pad, AttnMaskType.padding), orig(core, q, k, v, pad, AttnMaskType.padding), atol=1e-5)
         print('LAYOUT', report.as_dict()['attention_layout'], 'MATCH', bool(ok), 'CALLS', sum(report.op_counts()['attention'].values()))
     """)
-    out = run_python(code, env={"MEGATRON_ADAPT_AUTO": "0", "MEGATRON_ADAPT_ATTENTION_LAYOUT": "BSH"}).stdout
+    out = run_python(code, env={"MEGATRON_ADAPT_AUTO": "0", "MEGATRON_ADAPT_ATTENTION_LAYOUT": "BSH",
+                                "PROBE_PORT": free_port()}).stdout
     assert "LAYOUT bshd MATCH True CALLS 2" in out, out
 
 

@@ -5,10 +5,16 @@ import os
 import socket
 
 
-def one_rank_env() -> None:
+def probe_port() -> str:
+    """PROBE_PORT if the test passes one, else a free port."""
     port = os.environ.get("PROBE_PORT")
     if not port:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = str(s.getsockname()[1])
+    return port
+
+
+def one_rank_env() -> None:
+    port = probe_port()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")

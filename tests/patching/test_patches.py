@@ -453,7 +453,7 @@ class TestStartupReport(PatchContract):
         """...and the tensor-parallel group is named to the backends (ops.replica_group) while
         it exists: kernels chosen at run time must agree across its ranks."""
         proc = run_python(
-            "import os; os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='29533', RANK='0', WORLD_SIZE='1')\n"
+            f"import os; os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='{_free_port()}', RANK='0', WORLD_SIZE='1')\n"
             "import megatron_adapt; megatron_adapt.apply('cpu')\n"
             "import torch.distributed as d; d.init_process_group('nccl')\n"
             "from megatron.core import parallel_state as ps; ps.initialize_model_parallel(1, 1)\n"

@@ -11,7 +11,8 @@ import warnings
 
 warnings.filterwarnings("ignore")
 os.environ["MEGATRON_ADAPT_AUTO"] = "0"
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PROBE_PORT", "29531"),
+from single_rank import probe_port  # noqa: E402  (a free port: two test runs may share the machine)
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=probe_port(),
                   RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 import torch  # noqa: E402
