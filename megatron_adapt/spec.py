@@ -13,6 +13,18 @@ class SkipPatch(Exception):
     """Raised by a build function: this patch is not wanted here (the message says why)."""
 
 
+class ServesPlainInstances(type):
+    """Metaclass of a patch's class variant whose constructor returns a plain `plain_class` object
+    when its feature is off (fp8 linears built without fp8, delayed-wgrad linears without
+    delay_wgrad_compute). Those objects are instances of the variant too: Megatron's code and tests
+    ask `isinstance(module, <the class the spec named>)`."""
+
+    plain_class: type
+
+    def __instancecheck__(cls, obj):
+        return type.__instancecheck__(cls, obj) or isinstance(obj, cls.plain_class)
+
+
 @dataclass(frozen=True)
 class PatchSpec:
     """One Megatron attribute to replace or wrap; the fields, in order:

@@ -22,6 +22,18 @@ from megatron_adapt import report
 from megatron_adapt.spec import PatchSpec
 
 
+def dropout_rng(module, dropout_p):
+    """The RNG context of attention dropout: Megatron's model-parallel RNG tracker's fork, as
+    DotProductAttention does (not under sequence parallelism). A TE-named attention built while that
+    tracker had no states (`adapt_dropout_fork` False) uses the default generator, as
+    TEDotProductAttention does: it hands TE the tracker only if it was initialized at build."""
+    from megatron.core import tensor_parallel
+
+    if dropout_p > 0 and not module.config.sequence_parallel and getattr(module, "adapt_dropout_fork", True):
+        return tensor_parallel.get_cuda_rng_tracker().fork()
+    return contextlib.nullcontext()
+
+
 def padding_pair_mask(masks, sq, sk):
     """TE's cross-attention padding masks, a pair (query padding [b, 1, 1, sq], key padding
     [b, 1, 1, sk], True = padding; T5 passes them with the transformer_engine spec), as one bool
@@ -36,7 +48,6 @@ def build(backend, original):
     attention = backend.op("attention")
     from megatron_adapt.core import active_config
     batch_first = active_config().attention_layout == "bshd"
-    from megatron.core import tensor_parallel
     from megatron.core.transformer.enums import AttnMaskType
 
     def unsupported(self, attention_mask, attn_mask_type, attention_bias, packed_seq_params):
@@ -65,8 +76,7 @@ def build(backend, original):
                                AttnMaskType.causal_bottom_right)
         scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
         dropout_p = self.attention_dropout.p if self.training else 0.0
-        rng = (tensor_parallel.get_cuda_rng_tracker().fork()
-               if dropout_p > 0 and not self.config.sequence_parallel else contextlib.nullcontext())
+        rng = dropout_rng(self, dropout_p)
         with rng:
             out = attention_thd(query, key, value, p.cu_seqlens_q, p.cu_seqlens_kv, p.cu_seqlens_q_padded,
                                 p.cu_seqlens_kv_padded, causal, scale, dropout_p,
@@ -98,8 +108,7 @@ def build(backend, original):
         # multiplies it back inside the softmax: the net scale is softmax_scale * coeff.
         scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
         dropout_p = self.attention_dropout.p if self.training else 0.0
-        rng = (tensor_parallel.get_cuda_rng_tracker().fork()
-               if dropout_p > 0 and not self.config.sequence_parallel else contextlib.nullcontext())
+        rng = dropout_rng(self, dropout_p)
         sq, b = query.size(0), query.size(1)
         if batch_first:  # [s, b, h, d] -> contiguous [b, s, h, d], seen as [b, h, s, d]
             q, k, v = (t.transpose(0, 1).contiguous().transpose(1, 2) for t in (query, key, value))

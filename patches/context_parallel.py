@@ -26,7 +26,6 @@ At the first forward: a local sequence of odd length (the sequence length is not
 2·CP), attention bias, softmax offsets, masks other than causal / none, hybrid CP's sbhd
 PackedSeqParams.
 """
-import contextlib
 import copy
 
 from megatron_adapt import start_checks
@@ -161,7 +160,6 @@ def forward(module, query, key, value, attention_mask, attn_mask_type=None, atte
             packed_seq_params=None):
     """Core attention over the CP group: [s, b, h, d] (or thd [t, h, d]) in, [s, b, h * dv]
     (thd: [t, h * dv]) out."""
-    from megatron.core import tensor_parallel
     from megatron.core.transformer.enums import AttnMaskType
 
     st = module.adapt_cp
@@ -188,8 +186,9 @@ def forward(module, query, key, value, attention_mask, attn_mask_type=None, atte
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
     pos, doc = _meta(module, q.size(2), q.size(0), packed_seq_params, q.device)
     dropout_p = module.attention_dropout.p if module.training else 0.0
-    rng = (tensor_parallel.get_cuda_rng_tracker().fork()
-           if dropout_p > 0 and not module.config.sequence_parallel else contextlib.nullcontext())
+    from megatron_adapt.patches.attention import dropout_rng
+
+    rng = dropout_rng(module, dropout_p)
     with rng:
         out = st["op"](q, k, v, pos, doc, causal, scale, window, st["groups"], st["comm"], dropout_p)
     if packed_seq_params is not None:

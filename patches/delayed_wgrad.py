@@ -28,6 +28,7 @@ from collections import deque
 import torch
 
 from megatron_adapt import report
+from megatron_adapt.spec import ServesPlainInstances
 
 
 def delayed(config) -> bool:
@@ -201,7 +202,9 @@ def delayed_wgrad_variant(base, outer=None):
     if key in _variants:
         return _variants[key]
 
-    class DelayedWgrad(DelayedWgradLinearMixin, base):
+    class DelayedWgrad(DelayedWgradLinearMixin, base, metaclass=ServesPlainInstances):
+        plain_class = outer
+
         def __new__(cls, *args, **kwargs):
             if not args and not kwargs:  # copy / unpickle
                 return super().__new__(cls)

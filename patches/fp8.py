@@ -50,7 +50,7 @@ import torch
 
 from megatron_adapt import report, start_checks
 from megatron_adapt.errors import UnsupportedFeatureError
-from megatron_adapt.spec import WRAP, PatchSpec, SkipPatch
+from megatron_adapt.spec import WRAP, PatchSpec, ServesPlainInstances, SkipPatch
 
 RECIPES_SERVED = ("tensorwise", "delayed", "blockwise")
 _NOT_SERVED = {"mxfp8": "mxfp8 needs the MX block-scaled GEMMs of sm100 (Blackwell)",
@@ -272,7 +272,9 @@ def fp8_variant(base, backend):
     if key in _variants:
         return _variants[key]
 
-    class Fp8Linear(base):
+    class Fp8Linear(base, metaclass=ServesPlainInstances):
+        plain_class = base
+
         @property
         def save_original_input(self):
             """TE's flag for keeping the bf16 input instead of its fp8 copy (Megatron sets it for

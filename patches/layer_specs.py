@@ -291,6 +291,7 @@ def _build_core_attention():
 
     from megatron_adapt.patches import context_parallel
 
+    from megatron.core import tensor_parallel
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class AdaptDotProductAttention(DotProductAttention):
@@ -313,6 +314,9 @@ def _build_core_attention():
                              attn_mask_type, attention_type, attention_dropout=attention_dropout,
                              softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
             self.adapt_cp = None
+            # TEDotProductAttention gives TE the model-parallel RNG tracker for attention dropout
+            # only if the tracker was initialized when it was built; patches/attention follows that
+            self.adapt_dropout_fork = tensor_parallel.get_cuda_rng_tracker().is_initialized()
             if cp:
                 self.config = config
                 context_parallel.setup(self, config, cp_comm_type, pg_collection)
@@ -483,9 +487,11 @@ def build_t5_masks(backend, original):
     return te_layout
 
 
-def _te_name_specs(module, names):
-    """create: core 0.15 leaves the names undefined without TE (later releases set them to None)."""
-    return [PatchSpec(f"{module}:{name}", area="layer_specs", build=build_te_name(name), create=True)
+def _te_name_specs(module, names, optional=False):
+    """create: core 0.15 leaves the names undefined without TE (later releases set them to None).
+    optional: the module is not in every release."""
+    return [PatchSpec(f"{module}:{name}", area="layer_specs", build=build_te_name(name), create=True,
+                      optional=optional)
             for name in names]
 
 
@@ -506,6 +512,18 @@ SPECS = [
     *_provider_specs("megatron.core.models.gpt.experimental_attention_variant_module_specs", optional=True),
     PatchSpec("megatron.core.transformer.multi_latent_attention:TELinear", area="layer_specs",
               build=build_mla_te_linear),
+    # MLA (and core 0.19's absorbed MLA) take a down / up projection only if it is one of their
+    # module's TE names (else "Unsupported linear_qkv_down_proj"): the provider's linears, which the
+    # TE specs and the hybrid spec give them.
+    *_te_name_specs("megatron.core.transformer.multi_latent_attention",
+                    ("TEColumnParallelLinear", "TELayerNormColumnParallelLinear")),
+    PatchSpec("megatron.core.transformer.experimental_attention_variant.absorbed_mla:TELinear",
+              area="layer_specs", build=build_mla_te_linear, create=True, optional=True),
+    *_te_name_specs("megatron.core.transformer.experimental_attention_variant.absorbed_mla",
+                    ("TEColumnParallelLinear",), optional=True),
+    # qk_layernorm with a spec that names no q / k norm takes the attention module's TENorm (core
+    # 0.19: "qk_layernorm requires Transformer Engine (for TENorm)"): the provider's norm.
+    *_te_name_specs("megatron.core.transformer.attention", ("TENorm",)),
     PatchSpec("megatron.core.models.vision.clip_vit_model:CLIPViTModel.__init__", area="layer_specs",
               build=build_clip_vit_init),
     # T5 (t5_spec): TE's linears, attention and TENorm as module globals, in the TE block specs and

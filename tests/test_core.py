@@ -487,6 +487,59 @@ def test_cpu_device_layer_maps_a_device_index_to_the_cpu():
     assert proc.stdout.strip().endswith("OK"), proc.stdout
 
 
+def test_cpu_device_layer_maps_nccl_subgroups_to_gloo():
+    """Megatron's HyperCommGrid makes its groups with dist.new_subgroups_by_enumeration(...,
+    backend="nccl"), which calls distributed_c10d's own new_group: on a CPU build NCCL raised
+    "ProcessGroupNCCL is only supported with GPUs" (core_v0.19's MIMO tests)."""
+    proc = run_python(textwrap.dedent("""
+        import os, torch, megatron_adapt
+        os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=os.environ['PROBE_PORT'], RANK='0', WORLD_SIZE='1')
+        megatron_adapt.apply("cpu", quiet=True)
+        import torch.distributed as dist
+        dist.init_process_group("nccl")
+        sub, _ = dist.new_subgroups_by_enumeration([[0]], backend="nccl")
+        positional = dist.new_group([0], None, "nccl")
+        t = torch.ones(2)
+        dist.all_reduce(t, group=sub)
+        print(dist.get_backend(sub), dist.get_backend(positional), t.tolist())
+        dist.destroy_process_group()
+        """), env={"MEGATRON_ADAPT_AUTO": "0", "PROBE_PORT": free_port()})
+    assert proc.stdout.strip().endswith("gloo gloo [1.0, 1.0]"), proc.stdout
+
+
+def test_cpu_device_layer_cuda_copy_gives_expanded_rows_their_own_memory():
+    """`.cuda()` / `.to("cuda")` of an expanded CPU view is a copy on a GPU: writing one row leaves the
+    others (Megatron's LLaVA test_preprocess_data builds its input ids so). Plain tensors stay
+    the same object, as on a GPU for a tensor already there."""
+    proc = run_python(textwrap.dedent("""
+        import torch, megatron_adapt
+        megatron_adapt.apply("cpu", quiet=True)
+        for move in (lambda t: t.cuda(), lambda t: t.to("cuda"), lambda t: t.to(device="cuda")):
+            ids = move(torch.arange(4).expand(3, 4))
+            ids[0, 0] = -1
+            assert ids[:, 0].tolist() == [-1, 0, 0], ids
+        plain = torch.ones(3)
+        assert plain.cuda() is plain and plain.to("cuda") is plain
+        print("OK")
+        """), env={"MEGATRON_ADAPT_AUTO": "0"})
+    assert proc.stdout.strip().endswith("OK"), proc.stdout
+
+
+def test_amx_probe_from_a_process_with_threads_runs_in_a_new_interpreter():
+    """The AMX probe forks only a single-threaded process: a child forked after OpenMP's pool
+    exists could hang in its first matmul (it hung tests/npu in one pytest process)."""
+    proc = run_python(textwrap.dedent("""
+        import torch
+        from megatron_adapt.backends.cpu import device
+        torch.matmul(torch.ones(256, 256), torch.ones(256, 256))   # OpenMP's threads now exist
+        assert not device._single_threaded()
+        threaded, fresh = device._amx_faults(), device._amx_faults_in_a_new_interpreter()
+        assert threaded == fresh, (threaded, fresh)   # the threaded process took the new interpreter
+        print("OK")
+        """), env={"MEGATRON_ADAPT_AUTO": "0", "OMP_NUM_THREADS": "2"}, timeout=200)
+    assert proc.stdout.strip().endswith("OK"), proc.stdout
+
+
 def test_cpu_device_layer_streams_are_recordable():
     """Megatron's EP-overlap schedule nodes (`--overlap-moe-expert-parallel-comm`,
     pipeline_parallel/utils.py ScheduleNode) call `input.record_stream(stream)` on the streams

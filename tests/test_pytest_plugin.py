@@ -106,6 +106,51 @@ def test_faked_layout(tp, pp):
 
 def test_listed_in_the_skip_table():
     raise AssertionError("the skip table should have skipped this")
+
+from megatron.core.hyper_comm_grid import HyperCommGrid
+
+class TestGridOfEight:
+    # Megatron's 8-GPU tests build their grids in setup_class, outside Utils
+    @classmethod
+    def setup_class(cls):
+        cls.grid = HyperCommGrid(shape=[4, 2], dim_names=["tp", "dp"])
+
+    def test_on_the_grid(self):
+        raise AssertionError("setup_class should have raised")
+
+def test_oversized_grid_is_the_tested_error():
+    with pytest.raises(RuntimeError, match="is over sized"):
+        HyperCommGrid(shape=[4, 2], dim_names=["tp", "dp"])
+
+def test_other_runtime_errors_stay_failures():
+    raise RuntimeError("Grid shape [4, 2] is over sized with world size 2 (raised by the test itself)")
+"""
+
+# A module of TE_CLASS_TESTS: the TE class names it imports inside a test are the provider's classes
+TE_CLASSES_MODULE = """
+import megatron.core.extensions.transformer_engine as te_ext
+
+BEFORE = te_ext.TEColumnParallelLinear
+
+class TestMLAQKNormResolution:
+    def test_te_names_are_the_classes_the_model_was_built_from(self):
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
+        from megatron.core.models.gpt.gpt_layer_specs import TESpecProvider
+        provider = TESpecProvider()
+        assert TEColumnParallelLinear is provider.column_parallel_linear()
+        assert TENorm is provider.layer_norm()
+
+def test_the_names_are_restored_after_the_test():
+    assert te_ext.TEColumnParallelLinear is BEFORE
+"""
+
+# A module of TE_CLASS_MODULES: the names it imports at module level are the provider's classes
+TE_CLASSES_AT_IMPORT = """
+from megatron.core.extensions.transformer_engine import TERowParallelLinear
+
+def test_imported_name_is_the_providers():
+    from megatron.core.models.gpt.gpt_layer_specs import TESpecProvider
+    assert TERowParallelLinear is TESpecProvider().row_parallel_linear()
 """
 
 
@@ -114,7 +159,10 @@ def make_tree(root):
              "tests/unit_tests/conftest.py": CONFTEST, "tests/unit_tests/download.py": DOWNLOAD,
              "tests/unit_tests/test_utilities.py": UTILITIES,
              "tests/unit_tests/models/__init__.py": "",
-             "tests/unit_tests/models/test_gpt_model.py": TEST_MODULE}
+             "tests/unit_tests/models/test_gpt_model.py": TEST_MODULE,
+             "tests/unit_tests/models/test_hybrid_model.py": TE_CLASSES_MODULE,
+             "tests/unit_tests/models/mimo/__init__.py": "",
+             "tests/unit_tests/models/mimo/test_mimo_1f1b_schedule.py": TE_CLASSES_AT_IMPORT}
     for rel, text in files.items():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -144,7 +192,7 @@ def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
     proc = run_pytest(tmp_path, "-p", "extra_skip", "-p", "megatron_adapt.apps.pytest_plugin",
                       "--megatron-adapt-json", str(tmp_path / "out" / "rank{rank}.json"),
                       PYTHONPATH=str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 1 and "1 failed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]  # the one meant to fail
     report = json.loads((tmp_path / "out" / "rank0.json").read_text())
     assert report["backend"] == "cpu" and report["world_size"] == 2
     tests = {k.split("::", 1)[1]: v for k, v in report["tests"].items()}
@@ -160,6 +208,15 @@ def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
     assert param_skip["outcome"] == "skipped" and "parametrised TP1 x PP1 x CP4" in param_skip["reason"], param_skip
     assert tests["test_faked_layout[1-4]"]["outcome"] == "passed", tests
     assert tests["test_layout_parsing[8]"]["outcome"] == "passed", tests
+    te_classes = {k: v for k, v in report["tests"].items() if "test_hybrid_model.py" in k}
+    assert len(te_classes) == 2 and all(v["outcome"] == "passed" for v in te_classes.values()), te_classes
+    at_import = {k: v for k, v in report["tests"].items() if "test_mimo_1f1b_schedule.py" in k}
+    assert [v["outcome"] for v in at_import.values()] == ["passed"], at_import
+    grid_skip = tests["TestGridOfEight::test_on_the_grid"]
+    assert grid_skip["outcome"] == "skipped" and grid_skip["reason"].startswith("[ranks]"), grid_skip
+    assert "hyper_comm_grid.py says \"Grid shape [4, 2] is over sized with world size 2" in grid_skip["reason"], grid_skip
+    assert tests["test_oversized_grid_is_the_tested_error"]["outcome"] == "passed", tests
+    assert tests["test_other_runtime_errors_stay_failures"]["outcome"] == "failed", tests
     skipped = tests["test_listed_in_the_skip_table"]
     assert skipped["outcome"] == "skipped" and skipped["reason"].startswith("[te] needs Transformer Engine"), skipped
 

@@ -58,7 +58,7 @@ class CudaOnCpuMode(TorchFunctionMode):
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _CUDA:
-            return args[0]
+            return _own_memory(args[0])
         if func is torch.device and len(args) == 1 and isinstance(args[0], int) and not kwargs:
             return _CPU   # torch.device(torch.cuda.current_device()): an index means the GPU
         if func in _PASSTHROUGH:
@@ -68,13 +68,25 @@ class CudaOnCpuMode(TorchFunctionMode):
                 return _type_name(args[0])
             if len(args) > 1 and isinstance(args[1], str):
                 args = (args[0], args[1].replace("torch.cuda.", "torch."), *args[2:])
+        to_cuda = func is _TO and ((len(args) > 1 and _is_cuda(args[1])) or _is_cuda(kwargs.get("device")))
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = "cpu"
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
         if func is _TO and len(args) > 1 and (_is_cuda(args[1])):
             args = (args[0], "cpu", *args[2:])
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        return _own_memory(out) if to_cuda else out
+
+
+def _own_memory(t):
+    """A host-to-device copy gives every element its own memory; on the cpu backend `.cuda()` is the
+    tensor itself, so a view whose elements share memory (`expand`) is materialized, as the copy
+    would be: else a write to one row of `torch.arange(n).expand(b, n).cuda()` changes every row
+    (Megatron's LLaVA test_preprocess_data)."""
+    if isinstance(t, torch.Tensor) and torch._debug_has_internal_overlap(t) == 1:
+        return t.contiguous()
+    return t
 
 
 class _Stream(torch.Stream):
@@ -202,6 +214,8 @@ def _wrap_init_process_group(original):
 
 def _wrap_new_group(original):
     def new_group(*args, **kwargs):
+        if len(args) > 2:   # new_group(ranks, timeout, backend, ...)
+            args = (*args[:2], _gloo(args[2]), *args[3:])
         if "backend" in kwargs:
             kwargs["backend"] = _gloo(kwargs["backend"])
         kwargs.pop("device_id", None)
@@ -261,8 +275,8 @@ def _amx_faults() -> bool:
     oneDNN reads its ISA cap when it first dispatches a kernel, so the parent, which has not run
     one yet, can still be capped after the probe.
     """
-    if not hasattr(os, "fork"):
-        return False
+    if not hasattr(os, "fork") or not _single_threaded():
+        return _amx_faults_in_a_new_interpreter()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
         import faulthandler
@@ -278,6 +292,35 @@ def _amx_faults() -> bool:
         os._exit(code)
     _, status = os.waitpid(pid, 0)
     return os.WIFSIGNALED(status) and os.WTERMSIG(status) == getattr(__import__("signal"), "SIGILL", 4)
+
+
+def _single_threaded() -> bool:
+    """Forking is safe only from a process with one thread: a child forked from a process whose
+    OpenMP / gloo threads exist can hang in its first matmul (seen: the cpu device layer installed
+    inside a pytest process after two-process tests had run)."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+def _amx_faults_in_a_new_interpreter() -> bool:
+    """The same probe in a fresh Python (slower: it imports torch), for a process that already has
+    threads. Its own megatron-adapt stays off."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "for dtype in (torch.bfloat16, torch.float16):\n"
+            "    x = torch.ones(64, 64, dtype=dtype)\n"
+            "    torch.matmul(x, x).sum().item()\n")
+    env = {**os.environ, "MEGATRON_ADAPT_AUTO": "0", "MEGATRON_ADAPT_AMX_PROBE": "0"}
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == -getattr(signal, "SIGILL", 4)
 
 
 def _guard_amx() -> None:
@@ -330,11 +373,17 @@ def install() -> None:
     for name, fn in NVTX_API.items():
         _set(torch.cuda.nvtx, name, fn)
     if dist.is_available():
+        from torch.distributed import distributed_c10d
+
         for name, wrap in (("init_process_group", _wrap_init_process_group),
                            ("new_group", _wrap_new_group), ("barrier", _wrap_barrier)):
-            _set(dist, name, wrap(getattr(dist, name)))
+            wrapped = wrap(getattr(dist, name))
+            _set(dist, name, wrapped)
+            # new_subgroups_by_enumeration (Megatron's HyperCommGrid) calls distributed_c10d's own
+            # `new_group` global, with backend="nccl"
+            if name == "new_group" and distributed_c10d is not dist:
+                _set(distributed_c10d, name, wrapped)
         # Both names: P2POp validates its op against distributed_c10d's own `isend` global.
-        from torch.distributed import distributed_c10d
 
         isend = _wrap_isend(distributed_c10d.isend)
         _set(dist, "isend", isend)

@@ -109,11 +109,19 @@ def install() -> None:
     elif _state["undone"]:
         importlib.reload(module)  # we undid its redirection: run it again
     if dist.is_available():
+        from torch.distributed import distributed_c10d
+
         for name, wrap in (("init_process_group", _wrap_init_process_group),
                            ("new_group", _wrap_new_group)):
             original = getattr(dist, name)
+            wrapped = wrap(original)
             _saved.append((dist, name, original))
-            setattr(dist, name, wrap(original))
+            setattr(dist, name, wrapped)
+            # new_subgroups_by_enumeration (Megatron's HyperCommGrid) calls distributed_c10d's own
+            # `new_group` global, with backend="nccl"
+            if name == "new_group" and distributed_c10d is not dist:
+                _saved.append((distributed_c10d, name, getattr(distributed_c10d, name)))
+                setattr(distributed_c10d, name, wrapped)
     _state.update(installed=True, undone=False)
 
 

@@ -53,13 +53,16 @@ def _rank(rank, port, queue):
         device.install()
         dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
         group = dist.new_group([0, 1], None, "nccl")
+        # Megatron's HyperCommGrid: new_subgroups_by_enumeration calls distributed_c10d's new_group
+        subgroup, _ = dist.new_subgroups_by_enumeration([[0, 1]], backend="nccl")
         t = torch.full((3,), float(rank + 1), device="cuda")
         dist.all_reduce(t, group=group)
-        queue.put((rank, dist.get_backend(), dist.get_backend(group), t.tolist()))
+        dist.all_reduce(t, group=subgroup)
+        queue.put((rank, dist.get_backend(), dist.get_backend(group), dist.get_backend(subgroup), t.tolist()))
         dist.destroy_process_group()
         device.uninstall()
     except BaseException as exc:  # report, never hang the parent
-        queue.put((rank, repr(exc), None, None))
+        queue.put((rank, repr(exc), None, None, None))
 
 
 def test_nccl_groups_arrive_as_hccl_over_two_ranks():
@@ -77,4 +80,4 @@ def test_nccl_groups_arrive_as_hccl_over_two_ranks():
             p.join(60)
     finally:
         sys.path.remove(EMULATION_DIR)
-    assert results == [(0, "hccl", "hccl", [3.0] * 3), (1, "hccl", "hccl", [3.0] * 3)]
+    assert results == [(0, "hccl", "hccl", "hccl", [6.0] * 3), (1, "hccl", "hccl", "hccl", [6.0] * 3)]

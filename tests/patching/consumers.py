@@ -159,6 +159,66 @@ def _():
     return out
 
 
+@check("attention_dropout_rng")
+def _():
+    """Attention dropout's RNG: the TE-named core attention (TE's layer spec) forks Megatron's
+    model-parallel RNG tracker only if the tracker was initialized when the module was built, as
+    TEDotProductAttention decides (it hands TE the tracker or None); Megatron's local
+    DotProductAttention forks it always (its own forward: an uninitialized tracker raises)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.transformer.enums import AttnMaskType
+
+    te_cls = get_gpt_layer_with_transformer_engine_spec().submodules.self_attention.submodules.core_attention
+    local_cls = get_gpt_layer_local_spec().submodules.self_attention.submodules.core_attention
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, attention_dropout=0.5,
+                               use_cpu_initialization=True)
+    q, k, v = (torch.randn(16, 2, 4, 8) for _ in range(3))
+    tracker = get_cuda_rng_tracker()
+
+    def run(cls):
+        core = cls(config, 1, AttnMaskType.causal, "self").train()
+        before = {n: s.clone() for n, s in tracker.get_states().items()}
+        try:
+            core(q, k, v, None)
+        except Exception as exc:  # noqa: BLE001 (the message is the result)
+            return {"fork": core.__dict__.get("adapt_dropout_fork"), "error": str(exc)[:120]}
+        after = tracker.get_states()
+        return {"fork": core.__dict__.get("adapt_dropout_fork"), "cls": cls.__name__,
+                "tracker_advanced": any(not torch.equal(before[n], after[n]) for n in before)}
+
+    out = {"te_seeded": run(te_cls), "local_seeded": run(local_cls)}
+    tracker.reset()
+    try:
+        out["te_unseeded"], out["local_unseeded"] = run(te_cls), run(local_cls)
+    finally:
+        model_parallel_cuda_manual_seed(0)
+    return out
+
+
+@check("provider_classes_isinstance")
+def _():
+    """The provider's linears are variants (fp8, delayed wgrad) whose constructor returns a plain
+    Megatron linear when the feature is off; that object is an instance of the class the spec
+    named, as Megatron's tests ask (isinstance(attn.linear_kv_up_proj, TELayerNormColumnParallelLinear))."""
+    from megatron.core.models.gpt.gpt_layer_specs import TESpecProvider
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    provider = TESpecProvider()
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
+    init = torch.nn.init.zeros_
+    out = {}
+    for name, cls, plain_base, kw in (
+            ("column", provider.column_parallel_linear(), ColumnParallelLinear, dict(gather_output=False)),
+            ("row", provider.row_parallel_linear(), RowParallelLinear, dict(input_is_parallel=True, skip_bias_add=True)),
+            ("norm_column", provider.column_parallel_layer_norm_linear(), ColumnParallelLinear, dict(gather_output=False))):
+        m = cls(32, 16, config=config, init_method=init, bias=False, **kw)
+        out[name] = {"variant": cls.__name__, "built": type(m).__name__, "isinstance": isinstance(m, cls),
+                     "plain_base": isinstance(m, plain_base),
+                     "other_module_not_instance": not isinstance(torch.nn.Linear(2, 2), cls)}
+    return out
+
+
 @check("attention")
 def _():
     out = {}

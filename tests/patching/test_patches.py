@@ -111,6 +111,21 @@ class TestAttention(PatchContract):
         for groups in ("groups4", "groups2"):
             assert res[groups] == {"calls": 3, "matches": True, "causal_mask_matches": True}, res
 
+    def test_provider_linears_built_plain_are_instances_of_the_spec_class(self):
+        res = consumer("provider_classes_isinstance")
+        for name, r in res.items():
+            assert r["variant"] != r["built"], (name, r)        # the constructor returned a plain linear
+            assert r["isinstance"] and r["plain_base"] and r["other_module_not_instance"], (name, r)
+
+    def test_dropout_rng_follows_te_for_te_named_attention_and_megatron_for_local(self):
+        res = consumer("attention_dropout_rng")
+        assert res["te_seeded"] == {"fork": True, "cls": "AdaptDotProductAttention", "tracker_advanced": True}, res
+        assert res["local_seeded"] == {"fork": None, "cls": "DotProductAttention", "tracker_advanced": True}, res
+        # built with no tracker states: TE-named dropout draws from the default generator (as
+        # TEDotProductAttention hands TE no tracker); Megatron's local attention raises, as stock
+        assert res["te_unseeded"] == {"fork": False, "cls": "AdaptDotProductAttention", "tracker_advanced": False}, res
+        assert res["local_unseeded"]["error"] == "cuda rng state model-parallel-rng is not added", res
+
 
 class TestContextParallel(PatchContract):
     """The CP core attention itself: tests/ops/test_cp_attention.py (op) and
