@@ -27,9 +27,9 @@ def dropout_rng(module, dropout_p):
     DotProductAttention does (not under sequence parallelism). A TE-named attention built while that
     tracker had no states (`adapt_dropout_fork` False) uses the default generator, as
     TEDotProductAttention does: it hands TE the tracker only if it was initialized at build."""
-    from megatron.core import tensor_parallel
-
     if dropout_p > 0 and not module.config.sequence_parallel and getattr(module, "adapt_dropout_fork", True):
+        from megatron.core import tensor_parallel   # only when dropout runs: this is every layer's call
+
         return tensor_parallel.get_cuda_rng_tracker().fork()
     return contextlib.nullcontext()
 

@@ -75,6 +75,7 @@ class Skip:
 
 UT = "tests/unit_tests/"
 NOT_GPU = ("cpu", "npu")
+CUDA_IS_CPU = "on the cpu backend 'cuda' tensors are CPU tensors"   # why a [cuda] test cannot run there
 # From the runs recorded in docs/megatron-unit-tests.md; every entry says why. Layouts asked for
 # through Utils.initialize_model_parallel are skipped at run time by _guard_world_size instead.
 SKIPS: list[Skip] = [
@@ -100,8 +101,7 @@ SKIPS: list[Skip] = [
          "max, predicted-logit and sum-exp reductions); the backend op reduces the last two in one "
          "call and makes none on a 1-rank group. Its output check passes (core_v0.19.0, cpu)"),
     Skip(UT + "test_optimizer.py::test_chained_optimizer", "cuda",
-         "moves optimizer state with .to('cuda') and asserts tensor.is_cuda: on the cpu backend "
-         "'cuda' tensors are CPU tensors", backends=NOT_GPU),
+         "moves optimizer state with .to('cuda') and asserts tensor.is_cuda: " + CUDA_IS_CPU, backends=NOT_GPU),
     Skip(UT + "transformer/test_thd_correctness.py::test_thd_format[[]b1_seq16k_mha[]]", "memory",
          "the test's own MockCoreAttention (not megatron-adapt's) materialises fp32 scores of "
          "4 heads x 16383 x 16383 (4.3 GB), their softmax and both gradients: ~13 GB a rank, all ranks "
@@ -117,8 +117,8 @@ SKIPS: list[Skip] = [
          "ValueError naming the document (core_v0.19.0, 2 ranks); CP 1 runs",
          versions=">=0.19.0,<0.20.0"),
     Skip(UT + "models/test_base_embedding.py::TestBaseEmbedding::test_gpu_forward", "cuda",
-         "moves the embedding with .cuda() and asserts embeddings.device.type == 'cuda': on the cpu "
-         "backend 'cuda' tensors are CPU tensors (its test_cpu_forward runs)", backends=NOT_GPU),
+         "moves the embedding with .cuda() and asserts embeddings.device.type == 'cuda': "
+         + CUDA_IS_CPU + " (its test_cpu_forward runs)", backends=NOT_GPU),
     Skip(UT + "models/test_bert_model.py::*::test_transformer_engine_version_1_7_to_1_10_rng_error", "te",
          "mocks get_te_version() to 1.8 and expects TE 1.7-1.10's own Linear to reject the "
          "rng_tracker_name keyword, comparing TE's TypeError message verbatim: a property of TE's "
@@ -127,8 +127,7 @@ SKIPS: list[Skip] = [
          "runs the encoder prefetch producer on a real CUDA stream and waits on its CUDA event "
          "(skipped by Megatron itself where torch.cuda.is_available() is False)", backends=NOT_GPU),
     Skip(UT + "models/mimo/test_mimo_forward_step.py::test_move_batch_to_cuda_*", "cuda",
-         "moves a batch with .cuda() and asserts tensor.is_cuda: on the cpu backend 'cuda' tensors "
-         "are CPU tensors", backends=NOT_GPU),
+         "moves a batch with .cuda() and asserts tensor.is_cuda: " + CUDA_IS_CPU, backends=NOT_GPU),
     # tests/unit_tests/data: vocabularies and data sets from the network or /opt/data
     Skip(UT + "data/test_preprocess_data.py::*", "download",
          "reads the GPT-2 vocab / merges from /opt/data/tokenizers (the conftest's download) or "
