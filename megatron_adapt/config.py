@@ -17,8 +17,8 @@ ENV_ATTENTION_LAYOUT = "MEGATRON_ADAPT_ATTENTION_LAYOUT"  # sbhd (SBH) | bshd (B
 ENV_ALLOW_UNTESTED = "MEGATRON_ADAPT_ALLOW_UNTESTED_MEGATRON"  # "1": try a megatron-core newer than SUPPORTED
 ENV_EXTERNAL = "MEGATRON_ADAPT_EXTERNAL"  # auto | off | liger | apex (backends/cuda/providers.py)
 ENV_CHECKPOINT_HARDEN = "MEGATRON_ADAPT_CHECKPOINT_HARDEN"  # "1": patches/checkpoint_hardening.py
-ENV_CUDA_GRAPHS = "MEGATRON_ADAPT_CUDA_GRAPHS"  # off | local | auto (patches/cuda_graphs.py)
-CUDA_GRAPH_MODES = ("off", "local", "auto")
+ENV_CUDA_GRAPHS = "MEGATRON_ADAPT_CUDA_GRAPHS"  # auto | off | local (patches/cuda_graphs.py)
+CUDA_GRAPH_MODES = ("auto", "off", "local")
 ENV_EAGER_OPS = "MEGATRON_ADAPT_EAGER_OPS"  # triton | torch (backends/cuda/_common.py: eager_native)
 EAGER_OPS_MODES = ("torch", "triton")
 EXTERNAL_MODES = ("auto", "off", "liger", "apex", "flash_attn")
@@ -57,7 +57,9 @@ def _external(value: str | None) -> str:
 
 def _cuda_graphs(value: str | None) -> str:
     return _choice(ENV_CUDA_GRAPHS, value, CUDA_GRAPH_MODES,
-                   "local: turn on Megatron's --cuda-graph-impl local; auto: where it can capture")
+                   "auto (default): Megatron's --cuda-graph-impl local where megatron-adapt has measured it "
+                   "safe, eager elsewhere with the reason; off: Megatron's flags alone; local: graphs "
+                   "wherever Megatron can capture")
 
 
 def _eager_ops(value: str | None) -> str:
@@ -77,7 +79,8 @@ class Config:
     external: str = "auto"          # other libraries' kernels: auto (where faster) | off | liger | apex | flash_attn
     allow_untested: bool = False    # a megatron-core newer than SUPPORTED warns instead of failing
     checkpoint_harden: bool = False  # checkpoint files 0640 / dirs 0750, refuse world-writable, weights_only
-    cuda_graphs: str = "off"        # Megatron's own CUDA graphs: off (Megatron's flags decide) | local | auto
+    cuda_graphs: str = "auto"       # Megatron's own CUDA graphs: auto (where measured safe) | off (Megatron's flags decide) | local
+    cuda_graphs_chosen: bool = False  # cuda_graphs came from the environment or a switch, not the default
     eager_ops: str = "torch"        # cuda norms / activations / bias-dropout-add outside graph capture: torch | triton
 
     @classmethod
@@ -118,6 +121,7 @@ class Config:
             allow_untested=switches.get("allow_untested", _truthy(env.get(ENV_ALLOW_UNTESTED))),
             checkpoint_harden=bool(harden),
             cuda_graphs=_cuda_graphs(switches.get("cuda_graphs", env.get(ENV_CUDA_GRAPHS))),
+            cuda_graphs_chosen=bool(switches.get("cuda_graphs") or env.get(ENV_CUDA_GRAPHS)),
             eager_ops=_eager_ops(switches.get("eager_ops", env.get(ENV_EAGER_OPS))),
         )
 

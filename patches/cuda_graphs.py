@@ -14,15 +14,22 @@ FullCudaGraphWrapper` wraps the whole forward-backward function (every micro-bat
 it once, at iteration `--cuda-graph-warmup-steps`. Its `__call__` is wrapped the same way: that
 capture is counted and reported, and a failure inside a backend op is named.
 
-MEGATRON_ADAPT_CUDA_GRAPHS=local|auto turns Megatron's own `--cuda-graph-impl local` on without
-editing a launch script (`parse_args` wrapped: the flag is set before `validate_args` checks it).
-Small models' default steps wait on the host (docs/benchmarks.md); graphs replay a layer's kernels
-with one launch. Where the configuration cannot be captured the run stays eager and the report says
-why (`local`: a fallback, an error under MEGATRON_ADAPT_STRICT=1; `auto`: recorded as the choice).
-A user's own --cuda-graph-impl always wins. Default `off`: Megatron's flags alone decide.
+MEGATRON_ADAPT_CUDA_GRAPHS=auto (the default) | local | off turns Megatron's own `--cuda-graph-impl
+local` on without editing a launch script (`parse_args` wrapped: the flag is set before
+`validate_args` checks it). Small models' eager steps wait on the host (docs/host-time.md); graphs
+replay a layer's kernels with one launch. `auto` turns graphs on only where megatron-adapt measured
+them (stock pretrain_gpt.py; data and tensor parallel, not context / expert parallel) and Megatron can
+capture (not with pipeline parallelism: Megatron's schedule asserts on the graphs' outputs); everywhere else the run stays eager and the
+start-up line and the report say why. `local` tries every configuration Megatron can capture (an
+eager fallback is a fallback, an error under MEGATRON_ADAPT_STRICT=1). A launch's own
+--cuda-graph-impl, `none` included, always wins; `off` leaves Megatron's flags alone.
 MoE (`--num-experts`) is captured whole-layer only, and only with the alltoall dispatcher and
 capacity-padded dispatch (static shapes, nothing read back to the host); `_moe_why_not` says why
 everything else is refused, docs/moe.md ("CUDA graphs") has Megatron's code for it.
+
+Evaluation under layer graphs runs eager (`eval_eager`): Megatron's CudaGraphManager replays the
+training-mode graph for a layer in eval mode, dropout and MoE aux-loss bookkeeping included, so a
+validation loss would be computed with dropout on.
 """
 import os
 import sys
@@ -208,6 +215,11 @@ def packed_refusal(backend, args) -> str | None:
 start_checks.register("cuda_graphs", "packed_sequences", from_args=packed_refusal)
 
 
+def _before_sm100() -> bool:
+    import torch
+    return not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 10
+
+
 def graph_plan(args, backend_name: str) -> str | None:
     """Why Megatron's layer-scope CUDA graphs cannot capture this configuration, or None if they can."""
     if backend_name != "cuda":
@@ -228,9 +240,71 @@ def graph_plan(args, backend_name: str) -> str | None:
     if getattr(args, "recompute_granularity", None) == "full":
         return ("--recompute-granularity full: Megatron allows full recompute only with the "
                 "full_iteration graph (TransformerConfig), not with layer graphs")
+    pipeline = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    if pipeline > 1:
+        return (f"--pipeline-model-parallel-size {pipeline}: Megatron's pipeline schedule frees each stage's "
+                "output, and under layer graphs that output is a view (the recording node returns its input): "
+                "AssertionError 'counter-productive to free a view of another tensor' in the first step "
+                "(measured on 2 H100s, core_v0.16.1)")
+    recomputed = _graphed_recompute_with_dropout(args)
+    if recomputed:
+        return recomputed
+    if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") \
+            and os.environ.get("NCCL_GRAPH_REGISTER", "") != "0" and _before_sm100():
+        return ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True without NCCL_GRAPH_REGISTER=0: Megatron's "
+                "CudaGraphManager refuses it before sm100 (illegal memory access); set NCCL_GRAPH_REGISTER=0")
     if getattr(args, "inference_dynamic_batching", False) or getattr(args, "enable_cuda_graph", False) \
             or getattr(args, "external_cuda_graph", False):
         return "Megatron's own CUDA graph flags are set"
+    return None
+
+
+def _graphed_recompute_with_dropout(args) -> str | None:
+    """TransformerConfig refuses selective recompute of a module that draws dropout inside a
+    whole-layer graph (its recompute would draw other masks)."""
+    if getattr(args, "recompute_granularity", None) != "selective":
+        return None
+    modules = getattr(args, "recompute_modules", None) or ["core_attn"]   # Megatron's default
+    if getattr(args, "attention_dropout", 0.0) and "core_attn" in modules:
+        return ("--recompute-granularity selective (core_attn) with --attention-dropout > 0: Megatron "
+                "does not recompute graphed attention that draws dropout (TransformerConfig)")
+    if getattr(args, "hidden_dropout", 0.0) and {"mlp", "moe"} & set(modules):
+        return ("--recompute-modules mlp / moe with --hidden-dropout > 0: Megatron does not recompute "
+                "a graphed MLP / MoE that draws dropout (TransformerConfig)")
+    return None
+
+
+MEASURED_SCRIPTS = ("pretrain_gpt.py",)
+UNMEASURED_PARALLEL = (("--context-parallel-size", "context_parallel_size"),
+                       ("--expert-model-parallel-size", "expert_model_parallel_size"))
+TRY = "MEGATRON_ADAPT_CUDA_GRAPHS=local or --cuda-graph-impl local to try them"
+
+
+def auto_plan(args, backend_name: str, script: str) -> str | None:
+    """graph_plan, narrowed to what megatron-adapt measured graphs with (auto): stock
+    pretrain_gpt.py's models, data and tensor parallel (docs/cuda-graphs.md). Context and expert
+    parallel layers capture their all-to-alls / ring exchanges too, but are not measured here
+    against eager for loss and memory."""
+    why = graph_plan(args, backend_name)
+    if why:
+        return why
+    if os.path.basename(script or "") not in MEASURED_SCRIPTS:
+        return (f"auto turns graphs on for pretrain_gpt.py launches, where megatron-adapt measured them "
+                f"(this process runs {os.path.basename(script or '') or 'no script'}); {TRY}")
+    for flag, name in UNMEASURED_PARALLEL:
+        size = int(getattr(args, name, 1) or 1)
+        if size > 1:
+            return f"{flag} {size}: graphs are not yet measured with it here; {TRY}"
+    return None
+
+
+def typed_impl(argv: list[str]) -> str | None:
+    """The --cuda-graph-impl value the launch typed (`none` included), or None."""
+    for i, arg in enumerate(argv):
+        if arg == "--cuda-graph-impl" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--cuda-graph-impl="):
+            return arg.split("=", 1)[1]
     return None
 
 
@@ -251,30 +325,55 @@ def build_switch(backend, original):
         from megatron_adapt.core import active_config
 
         ns = wrapped(*args, **kwargs)
-        mode = active_config().cuda_graphs
+        config = active_config()
+        mode = config.cuda_graphs
         if mode == "off":
             return ns
         current = getattr(ns, "cuda_graph_impl", "none")
-        if current != "none":
+        typed = typed_impl(sys.argv[1:])
+        if current != "none" or typed is not None:
             report.ran("cuda_graphs.switch", f"--cuda-graph-impl {current} (the launch's own flag kept)")
             return ns
-        why_not = graph_plan(ns, backend.name)
+        setting = f"MEGATRON_ADAPT_CUDA_GRAPHS={mode}" + ("" if config.cuda_graphs_chosen else " (default)")
+        why_not = (graph_plan(ns, backend.name) if mode == "local"
+                   else auto_plan(ns, backend.name, sys.argv[0] if sys.argv else ""))
         if why_not is None:
             ns.cuda_graph_impl = "local"
             scope = "whole layers, MoE capacity-padded" if getattr(ns, "num_experts", None) else "whole layers"
-            report.ran("cuda_graphs.switch", f"--cuda-graph-impl local (MEGATRON_ADAPT_CUDA_GRAPHS={mode}): {scope}")
-            message = (f"MEGATRON_ADAPT_CUDA_GRAPHS={mode}: turned on Megatron's --cuda-graph-impl local; "
-                       f"captured: {captured(ns)}")
+            report.ran("cuda_graphs.switch", f"--cuda-graph-impl local ({setting}): {scope}")
+            message = (f"{setting}: turned on Megatron's --cuda-graph-impl local; captured: {captured(ns)}; "
+                       "MEGATRON_ADAPT_CUDA_GRAPHS=off or --cuda-graph-impl none runs eager")
         elif mode == "local":
             report.fell_back("cuda_graphs.switch", "eager", why_not)
-            message = f"MEGATRON_ADAPT_CUDA_GRAPHS=local: running eager: {why_not}"
+            message = f"{setting}: running eager: {why_not}"
         else:
-            report.ran("cuda_graphs.switch", f"eager (auto: {why_not})")
-            message = f"MEGATRON_ADAPT_CUDA_GRAPHS=auto: running eager: {why_not}"
-        if report._rank() == 0:
+            report.ran("cuda_graphs.switch", f"eager ({setting}: {why_not})")
+            message = f"{setting}: running eager: {why_not}"
+            if not config.cuda_graphs_chosen and backend.name != "cuda":
+                message = None      # the default on a backend without graphs: the report has it
+        if message and report._rank() == 0 and message not in _SAID:   # pretrain_gpt parses more than once
+            _SAID.add(message)
             print(f"megatron-adapt: {message}", file=sys.stderr, flush=True)
         return ns
     return parse_args
+
+
+_SAID: set[str] = set()
+
+
+def build_eval_eager(backend, original):
+    """A layer in eval mode (validation, not inference with an inference_context) runs eager: the
+    replayed graph is the training-mode forward, with its dropout masks and MoE aux-loss tracking."""
+    def call(wrapped, instance, args, kwargs):
+        module, call_args, call_kwargs = args[0], args[1], args[2]
+        if module.training or call_kwargs.get("inference_context"):
+            return wrapped(*args, **kwargs)
+        func = getattr(instance, "func", None)
+        if func is not None:
+            return func(*call_args, **call_kwargs)
+        from megatron.core.transformer.module import MegatronModule
+        return super(MegatronModule, module).__call__(*call_args, **call_kwargs)
+    return call
 
 
 SPECS = [
@@ -282,6 +381,8 @@ SPECS = [
               build=build_switch, optional=True),
     PatchSpec("megatron.core.transformer.cuda_graphs:create_cudagraphs", area="cuda_graphs",
               mode=WRAP, build=build),
+    PatchSpec("megatron.core.transformer.cuda_graphs:CudaGraphManager.__call__", area="cuda_graphs",
+              mode=WRAP, build=build_eval_eager),
     PatchSpec("megatron.core.full_cuda_graph:FullCudaGraphWrapper.__call__", area="cuda_graphs",
               mode=WRAP, build=build_full_iteration),
 ]

@@ -487,11 +487,12 @@ def build_t5_masks(backend, original):
     return te_layout
 
 
-def _te_name_specs(module, names, optional=False):
+def _te_name_specs(module, names, optional=False, versions=None):
     """create: core 0.15 leaves the names undefined without TE (later releases set them to None).
-    optional: the module is not in every release."""
+    optional: the module is not in every release; versions: the releases that have it."""
+    extra = {"versions": versions} if versions else {}
     return [PatchSpec(f"{module}:{name}", area="layer_specs", build=build_te_name(name), create=True,
-                      optional=optional)
+                      optional=optional, **extra)
             for name in names]
 
 
@@ -517,10 +518,12 @@ SPECS = [
     # TE specs and the hybrid spec give them.
     *_te_name_specs("megatron.core.transformer.multi_latent_attention",
                     ("TEColumnParallelLinear", "TELayerNormColumnParallelLinear")),
+    # absorbed_mla is in core 0.17 on (0.16's package has only dsa.py: its spec would wait forever)
     PatchSpec("megatron.core.transformer.experimental_attention_variant.absorbed_mla:TELinear",
-              area="layer_specs", build=build_mla_te_linear, create=True, optional=True),
+              area="layer_specs", build=build_mla_te_linear, create=True, optional=True,
+              versions=">=0.17.0,<0.20.0"),
     *_te_name_specs("megatron.core.transformer.experimental_attention_variant.absorbed_mla",
-                    ("TEColumnParallelLinear",), optional=True),
+                    ("TEColumnParallelLinear",), optional=True, versions=">=0.17.0,<0.20.0"),
     # qk_layernorm with a spec that names no q / k norm takes the attention module's TENorm (core
     # 0.19: "qk_layernorm requires Transformer Engine (for TENorm)"): the provider's norm.
     *_te_name_specs("megatron.core.transformer.attention", ("TENorm",)),

@@ -4,6 +4,10 @@
 #               (--no-rope-fusion --no-persist-layer-norm --no-masked-softmax-fusion
 #               --no-gradient-accumulation-fusion) and the dataset helpers built with Megatron's Makefile;
 #   (b) adapt:  megatron-adapt-run, Megatron's default arguments (transformer_engine impl, every fusion on).
+#               From 2026-11-27 on that includes MEGATRON_ADAPT_CUDA_GRAPHS' default, auto:
+#               on one GPU Megatron's layer graphs are on, as in (c), and the report says so.
+#   (b') adapt_eager (not in the default RUNS): (b) with MEGATRON_ADAPT_CUDA_GRAPHS=off: no graphs,
+#               the default step before that commit.
 #   (c) adapt_graphs: (b) plus Megatron's own CUDA graphs (--cuda-graph-impl local; default scope:
 #               each transformer layer's forward and backward captured once, replayed after).
 #   (d) adapt_full_graph (not in the default RUNS): (b) plus --cuda-graph-impl local
@@ -11,7 +15,7 @@
 #               forward-backward of an iteration (every micro-batch) in one graph; Megatron refuses
 #               that scope unless its per-micro-batch NaN/Inf loss check (a host sync) is off.
 #   (e) stock_full_graph (not in the default RUNS): (a) with the same three flags.
-#   (f) adapt_fp8 (not in the default RUNS): (b) plus --fp8-format $FP8_FORMAT --fp8-recipe
+#   (f) adapt_fp8 (not in the default RUNS): (b') plus --fp8-format $FP8_FORMAT --fp8-recipe
 #               $FP8_RECIPE (fp8 linears without TE, docs/fp8.md). No stock fp8 run: stock Megatron
 #               without TE ignores the fp8 flags (a silent bf16 run).
 #   (g) adapt_fp8_graphs (not in the default RUNS): (f) plus --cuda-graph-impl local.
@@ -35,6 +39,7 @@
 #      in the steep first iterations)
 #      FP8_RECIPE [tensorwise]: tensorwise | delayed | blockwise, FP8_FORMAT [hybrid]: hybrid | e4m3, for the fp8 runs;
 #      MASTER_PORT [29561]: torchrun's port (two runs at once on two GPUs need two)
+#      NPROC [1]: GPUs (processes); with EXTRA_ARGS="--tensor-model-parallel-size 2" etc. for model parallelism
 #      FP8_ARGS [""]: more fp8 flags for them (e.g. "--fp8-amax-history-len 1024 --fp8-amax-compute-algo max")
 #      e.g. RUNS="adapt adapt_fp8" FP8_RECIPE=delayed scripts/bench_e2e.sh OUT
 set -euo pipefail
@@ -84,7 +89,7 @@ FULL_GRAPH=(--cuda-graph-impl local --cuda-graph-scope full_iteration --no-check
 read -r -a FP8_EXTRA <<< "${FP8_ARGS:-}"
 FP8=(--fp8-format "${FP8_FORMAT:-hybrid}" --fp8-recipe "${FP8_RECIPE:-tensorwise}" "${FP8_EXTRA[@]}")
 if command -v megatron-adapt-run >/dev/null; then ADAPT=(megatron-adapt-run); else ADAPT=(python3 -m megatron_adapt.launcher); fi
-TORCHRUN=(python3 -m torch.distributed.run --nproc-per-node 1 --master-port "${MASTER_PORT:-29561}")
+TORCHRUN=(python3 -m torch.distributed.run --nproc-per-node "${NPROC:-1}" --master-port "${MASTER_PORT:-29561}")
 
 echo "$(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) vCPU" > "$OUTDIR/host_cpu.txt" || true
 nvidia-smi --query-gpu=name --format=csv,noheader -i 0 > "$OUTDIR/gpu.txt" 2>/dev/null || true
@@ -112,6 +117,10 @@ for run in $RUNS; do
                     "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" "${STOCK_FLAGS[@]}" ;;
         adapt)  peak_smi "$OUTDIR/adapt.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_report.json" \
                     "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" ;;
+        adapt_eager)
+                peak_smi "$OUTDIR/adapt_eager.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_eager_report.json" \
+                    MEGATRON_ADAPT_CUDA_GRAPHS=off \
+                    "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" ;;
         adapt_graphs)
                 peak_smi "$OUTDIR/adapt_graphs.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_graphs_report.json" \
                     "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" \
@@ -126,6 +135,7 @@ for run in $RUNS; do
                     "${FULL_GRAPH[@]}" ;;
         adapt_fp8)
                 peak_smi "$OUTDIR/adapt_fp8.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_fp8_report.json" \
+                    MEGATRON_ADAPT_CUDA_GRAPHS=off \
                     "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" "${FP8[@]}" ;;
         adapt_fp8_graphs)
                 peak_smi "$OUTDIR/adapt_fp8_graphs.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_fp8_graphs_report.json" \

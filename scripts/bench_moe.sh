@@ -60,7 +60,7 @@ STOCK_FLAGS=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm
 ADAPT_FLAGS=(--moe-grouped-gemm --moe-permute-fusion --moe-router-fusion)
 CAPACITY=(--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity)
 FP8=(--fp8-format "${FP8_FORMAT:-hybrid}" --fp8-recipe "${FP8_RECIPE:-tensorwise}")
-ALL_BUT_MOE=jit,rng,training,cross_entropy,norms,softmax,attention,rope,activations,optimizer,checkpointing,multi_tensor,grad_accum_fusion,layer_specs,startup_report,device
+ALL_BUT_MOE=cuda_graphs,jit,rng,training,cross_entropy,norms,softmax,attention,rope,activations,optimizer,checkpointing,multi_tensor,grad_accum_fusion,layer_specs,startup_report,device
 if command -v megatron-adapt-run >/dev/null; then ADAPT=(megatron-adapt-run); else ADAPT=(python3 -m megatron_adapt.launcher); fi
 TORCHRUN=(timeout "$RUN_TIMEOUT" python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port 29561)
 
@@ -100,9 +100,9 @@ for run in $RUNS; do
         stock)          stock_run stock ;;
         stock_capacity) stock_run stock_capacity "${CAPACITY[@]}" ;;
         adapt)          adapt_run adapt -- ;;
-        adapt_capacity) adapt_run adapt_capacity -- "${CAPACITY[@]}" ;;
+        adapt_capacity) adapt_run adapt_capacity MEGATRON_ADAPT_CUDA_GRAPHS=off -- "${CAPACITY[@]}" ;;
         adapt_graphs)   adapt_run adapt_graphs MEGATRON_ADAPT_CUDA_GRAPHS=local -- "${CAPACITY[@]}" ;;
-        adapt_fp8)      adapt_run adapt_fp8 -- "${FP8[@]}" ;;
+        adapt_fp8)      adapt_run adapt_fp8 MEGATRON_ADAPT_CUDA_GRAPHS=off -- "${FP8[@]}" ;;
         adapt_fp8_graphs) adapt_run adapt_fp8_graphs MEGATRON_ADAPT_CUDA_GRAPHS=local -- "${CAPACITY[@]}" "${FP8[@]}" ;;
         *) echo "unknown run $run" >&2; exit 2 ;;
     esac && DONE+=("$run") || echo "run $run failed (rc $?): tail of $OUTDIR/$run.log" >&2

@@ -80,6 +80,13 @@ def main():
     if {"adapt", "adapt_graphs"} <= set(res):  # how much of the default step waits on the host
         ratio = res["adapt"]["ms_per_iter"] / res["adapt_graphs"]["ms_per_iter"]
         print(f"adapt / adapt_graphs: {ratio:.2f}x (defaults' time over --cuda-graph-impl local's)")
+    if {"adapt_eager", "adapt_graphs"} <= set(res):  # the eager step against graphs (MEGATRON_ADAPT_CUDA_GRAPHS=off)
+        ratio = res["adapt_eager"]["ms_per_iter"] / res["adapt_graphs"]["ms_per_iter"]
+        print(f"adapt_eager / adapt_graphs: {ratio:.2f}x (eager time over --cuda-graph-impl local's)")
+    if {"adapt_eager", "adapt"} <= set(res):
+        ratio = res["adapt"]["ms_per_iter"] / res["adapt_graphs" if "adapt_graphs" in res else "adapt_eager"]["ms_per_iter"]
+        print(f"adapt (defaults, graphs={res['adapt'].get('cuda_graphs')}) / "
+              f"{'adapt_graphs' if 'adapt_graphs' in res else 'adapt_eager'}: {ratio:.2f}x")
     if {"stock", "adapt"} <= set(res):
         s, b = res["stock"], res["adapt"]
         common = sorted(set(s["losses"]) & set(b["losses"]))

@@ -14,9 +14,11 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def run_python(code_or_args, env=None, timeout=300, check=True):
-    """Run python in a fresh interpreter; returns CompletedProcess (text)."""
+def run_python(code_or_args, env=None, timeout=300, check=True, unset=()):
+    """Run python in a fresh interpreter (without the variables in `unset`); returns CompletedProcess (text)."""
     full_env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **(env or {})}
+    for name in unset:
+        full_env.pop(name, None)
     args = [sys.executable, "-c", code_or_args] if isinstance(code_or_args, str) else [sys.executable, *code_or_args]
     proc = subprocess.run(args, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:

@@ -190,6 +190,9 @@ def _pretrain(tmp: Path, name: str, tp: int, extra: list) -> tuple[dict, dict]:
     return losses, json.loads(report.read_text())
 
 
+EAGER = ["--cuda-graph-impl", "none"]    # typed, so MEGATRON_ADAPT_CUDA_GRAPHS' default keeps out
+
+
 def _assert_same_curve(eager, graphed):
     diffs = [abs(eager[i] - graphed[i]) for i in sorted(eager)]
     assert max(diffs) < 0.02 and sum(diffs) / len(diffs) < 0.01, (eager, graphed)
@@ -201,9 +204,13 @@ def test_graphed_and_eager_loss_curves_match(tmp_path, tp):
     if torch.cuda.device_count() < tp:
         pytest.skip(f"TP={tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
     no_dropout = ["--attention-dropout", "0", "--hidden-dropout", "0"]
-    eager, _ = _pretrain(tmp_path, f"eager_tp{tp}", tp, no_dropout)
-    graphed, rep = _pretrain(tmp_path, f"graphed_tp{tp}", tp, no_dropout + ["--cuda-graph-impl", "local"])
+    eager, eager_rep = _pretrain(tmp_path, f"eager_tp{tp}", tp, no_dropout + EAGER)
+    # Megatron's default arguments: graphs from MEGATRON_ADAPT_CUDA_GRAPHS' default (auto)
+    graphed, rep = _pretrain(tmp_path, f"graphed_tp{tp}", tp, no_dropout)
     _assert_same_curve(eager, graphed)
+    assert not eager_rep["cuda_graphs"], eager_rep["cuda_graphs"]
+    switch = [o["implementation"] for o in rep["ops"] if o["op"] == "cuda_graphs.switch"]
+    assert switch == ["--cuda-graph-impl local (MEGATRON_ADAPT_CUDA_GRAPHS=auto (default)): whole layers"], switch
     graphs = rep["cuda_graphs"]
     assert graphs and graphs[0]["graphs"] == 2 * 4, graphs        # 4 layers x fwd/bwd
     captured = " ".join(graphs[0]["captured_ops"])
@@ -251,7 +258,7 @@ def test_full_iteration_graph_and_eager_loss_curves_match(tmp_path):
     graph, captured at iteration --cuda-graph-warmup-steps; same loss curve as eager (dropout 0)."""
     _full_iteration_capturable()
     no_dropout = ["--attention-dropout", "0", "--hidden-dropout", "0"]
-    eager, _ = _pretrain(tmp_path, "eager_full", 1, no_dropout)
+    eager, _ = _pretrain(tmp_path, "eager_full", 1, no_dropout + EAGER)
     graphed, rep = _pretrain(tmp_path, "graphed_full", 1, no_dropout + FULL_ITERATION)
     _assert_same_curve(eager, graphed)
     (built,) = rep["cuda_graphs"]
@@ -281,7 +288,7 @@ def test_fp8_graphed_and_eager_loss_curves_match(tmp_path, recipe):
     update are replayed with the GEMMs; same curve as fp8 eager."""
     _fp8_gpu()
     fp8 = ["--attention-dropout", "0", "--hidden-dropout", "0", "--fp8-format", "hybrid", "--fp8-recipe", recipe]
-    eager, _ = _pretrain(tmp_path, f"fp8_{recipe}_eager", 1, fp8)
+    eager, _ = _pretrain(tmp_path, f"fp8_{recipe}_eager", 1, fp8 + EAGER)
     graphed, rep = _pretrain(tmp_path, f"fp8_{recipe}_graphed", 1, fp8 + ["--cuda-graph-impl", "local"])
     _assert_same_curve(eager, graphed)
     graphs = rep["cuda_graphs"]
@@ -295,8 +302,65 @@ def test_fp8_full_iteration_graph_and_eager_loss_curves_match(tmp_path):
     _fp8_gpu()
     _full_iteration_capturable()
     fp8 = ["--attention-dropout", "0", "--hidden-dropout", "0", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
-    eager, _ = _pretrain(tmp_path, "fp8_full_eager", 1, fp8)
+    eager, _ = _pretrain(tmp_path, "fp8_full_eager", 1, fp8 + EAGER)
     graphed, rep = _pretrain(tmp_path, "fp8_full_graphed", 1, fp8 + FULL_ITERATION)
     _assert_same_curve(eager, graphed)
     (built,) = rep["cuda_graphs"]
     assert built["graphs"] == 1 and "fp8_linear" in " ".join(built["captured_ops"]), built
+
+
+# ---- evaluation under layer graphs runs eager ------------------------------------------------------
+
+EVAL_SCRIPT = r'''
+import os, sys, torch, torch.distributed as dist
+import megatron_adapt
+megatron_adapt.apply("cuda", quiet=True)
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("nccl", rank=0, world_size=1)
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel.random import initialize_rng_tracker, model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.cuda_graphs import create_cudagraphs, _CudagraphGlobalRecord
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+ps.initialize_model_parallel()
+initialize_rng_tracker(use_cudagraphable_rng=True, force_reset=True)
+model_parallel_cuda_manual_seed(123)
+config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropout=0.5,
+                           attention_dropout=0.5, cuda_graph_impl="local", use_cpu_initialization=True)
+block = TransformerBlock(config, get_gpt_layer_with_transformer_engine_spec()).cuda()
+x = torch.randn(32, 2, 64, device="cuda", requires_grad=True)
+for step in range(3):            # step 0 records, create_cudagraphs captures, steps 1-2 replay
+    block(hidden_states=x, attention_mask=None).sum().backward()
+    create_cudagraphs()
+assert _CudagraphGlobalRecord.cudagraph_created
+runners = sum(len(l.cudagraph_manager.cudagraph_runners) for l in block.layers)
+block.eval()
+with torch.no_grad():
+    y1 = block(hidden_states=x.detach(), attention_mask=None)
+    y2 = block(hidden_states=x.detach(), attention_mask=None)
+    ref = x.detach()
+    for layer in block.layers:   # each layer's own forward: eager, no manager
+        ref = layer.forward(hidden_states=ref, attention_mask=None)[0]
+    ref = block.final_layernorm(ref) if getattr(block, "final_layernorm", None) is not None else ref
+block.train()                    # training replays again after evaluation
+out = block(hidden_states=x, attention_mask=None)
+out.sum().backward()
+print("RESULT", runners, torch.equal(y1, y2), (y1 - ref).abs().max().item(), torch.isfinite(out).all().item())
+'''
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU (CUDA graphs)")
+def test_evaluation_under_layer_graphs_runs_eager(tmp_path):
+    """Megatron's CudaGraphManager would replay the training-mode graph (dropout 0.5 here) for a
+    layer in eval mode; under megatron-adapt the eval forward runs eager: two eval passes agree
+    with each other and with the layers' own forward, and training replays its graphs after."""
+    script = tmp_path / "eval_graphs.py"
+    script.write_text(EVAL_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(script), str(_port())], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
+    assert proc.returncode == 0 and line, proc.stdout[-4000:]
+    _, runners, same, diff, finite = line[0].split()
+    assert int(runners) == 2 and same == "True" and float(diff) < 1e-5 and finite == "True", line[0]

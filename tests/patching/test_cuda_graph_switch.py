@@ -13,12 +13,14 @@ import textwrap
 import pytest
 
 CASE = textwrap.dedent("""
-    import types
+    import sys, types
+    sys.argv = {argv!r}
     import megatron_adapt
     from megatron_adapt import report
     megatron_adapt.apply("cpu", quiet=True)  # the configuration (switch, strict) comes from the environment
     from megatron_adapt.patches.cuda_graphs import build_switch
-    ns = types.SimpleNamespace(cuda_graph_impl={impl!r}, num_experts={experts!r})
+    ns = types.SimpleNamespace(cuda_graph_impl={impl!r}, num_experts={experts!r}, tensor_model_parallel_size={tp!r},
+                               pipeline_model_parallel_size={pp!r}, context_parallel_size={cp!r})
     wrapper = build_switch(types.SimpleNamespace(name={backend!r}), None)
     out = wrapper(lambda: ns, None, (), {{}})
     print("IMPL", out.cuda_graph_impl)
@@ -28,9 +30,14 @@ CASE = textwrap.dedent("""
 """)
 
 
-def run_case(python, mode, backend="cuda", impl="none", experts=None, strict=False):
-    env = {"MEGATRON_ADAPT_CUDA_GRAPHS": mode, "MEGATRON_ADAPT_STRICT": "1" if strict else "0"}
-    return python(CASE.format(impl=impl, experts=experts, backend=backend), env=env, check=False)
+def run_case(python, mode, backend="cuda", impl="none", experts=None, strict=False, tp=1, pp=1, cp=1,
+             argv=("pretrain_gpt.py",), extra_env=None):
+    """mode None: MEGATRON_ADAPT_CUDA_GRAPHS unset (its default)."""
+    env = {"MEGATRON_ADAPT_STRICT": "1" if strict else "0", **(extra_env or {})}
+    if mode is not None:
+        env["MEGATRON_ADAPT_CUDA_GRAPHS"] = mode
+    return python(CASE.format(impl=impl, experts=experts, backend=backend, tp=tp, pp=pp, cp=cp, argv=list(argv)),
+                  env=env, check=False, unset=() if mode is not None else ("MEGATRON_ADAPT_CUDA_GRAPHS",))
 
 
 @pytest.mark.parametrize("mode", ["local", "auto"])
@@ -62,7 +69,7 @@ def test_refusal_names_the_reason(python, backend, experts, reason):
     assert "IMPL none" in local.stdout and len(fallbacks) == 1 and fallbacks[0].startswith(reason), local.stdout
     assert f"running eager: {reason}" in local.stderr
     auto = run_case(python, "auto", backend=backend, experts=experts)
-    assert "IMPL none" in auto.stdout and f"eager (auto: {reason}" in auto.stdout
+    assert "IMPL none" in auto.stdout and f"eager (MEGATRON_ADAPT_CUDA_GRAPHS=auto: {reason}" in auto.stdout
     strict = run_case(python, "local", backend=backend, experts=experts, strict=True)
     assert strict.returncode != 0 and "StrictFallbackError" in strict.stderr and reason in strict.stderr
 
@@ -70,7 +77,7 @@ def test_refusal_names_the_reason(python, backend, experts, reason):
 def test_unknown_mode_is_a_clear_error(python):
     proc = python("from megatron_adapt.config import Config; Config.resolve()", check=False,
                   env={"MEGATRON_ADAPT_CUDA_GRAPHS": "always"})
-    assert proc.returncode != 0 and "MEGATRON_ADAPT_CUDA_GRAPHS='always': expected one of off, local, auto" in proc.stderr
+    assert proc.returncode != 0 and "MEGATRON_ADAPT_CUDA_GRAPHS='always': expected one of auto, off, local" in proc.stderr
 
 
 # ---- through Megatron's real parse_args ---------------------------------------------------------
@@ -172,6 +179,9 @@ REFUSED = [
      "TransformerLayer graphs the whole layer for attn / mlp and builds no graph for moe"),
     (TINY + ["--recompute-granularity", "full", "--recompute-method", "uniform"],
      "--recompute-granularity full: Megatron allows full recompute only with the full_iteration graph"),
+    (TINY + ["--recompute-granularity", "selective"],       # Megatron's default attention dropout 0.1
+     "--recompute-granularity selective (core_attn) with --attention-dropout > 0: Megatron does not "
+     "recompute graphed attention that draws dropout"),
 ]
 
 
@@ -213,7 +223,8 @@ def test_real_parser_decisions(python):
 def test_real_parser_dropless_moe_auto_and_strict(python):
     reason = "dropless MoE (--num-experts without a capacity factor)"
     _, (auto,) = parse_cases(python, [TINY + MOE + ALLTOALL], mode="auto")
-    assert auto["impl"] == "none" and auto["fallbacks"] == [] and auto["switch"][0].startswith(f"eager (auto: {reason}")
+    assert auto["impl"] == "none" and auto["fallbacks"] == [] and \
+        auto["switch"][0].startswith(f"eager (MEGATRON_ADAPT_CUDA_GRAPHS=auto: {reason}")
     strict, _ = parse_cases(python, [TINY + MOE + ALLTOALL], strict=True)
     assert strict.returncode != 0 and "StrictFallbackError" in strict.stderr and reason in strict.stderr
 
@@ -246,3 +257,96 @@ def test_packed_sequences_stay_eager_and_a_launch_flag_is_refused(python):
         assert (f"REFUSED {flag} with --cuda-graph-impl local: the cuda backend cannot run it: packed (thd) "
                 "attention reads") in proc.stdout, proc.stdout
     assert proc.stdout.count("SERVED None None") == 2, proc.stdout
+
+
+# ---- the default (auto), what auto leaves eager, a typed flag ---------------------------------------
+
+def test_default_is_auto_and_says_so(python):
+    """No MEGATRON_ADAPT_CUDA_GRAPHS: a pretrain_gpt.py launch on cuda gets Megatron's layer graphs,
+    the report and the start-up line say it was the default and how to turn it off."""
+    proc = run_case(python, None)
+    assert proc.returncode == 0, proc.stderr
+    assert "IMPL local" in proc.stdout
+    assert "--cuda-graph-impl local (MEGATRON_ADAPT_CUDA_GRAPHS=auto (default)): whole layers" in proc.stdout
+    assert ("MEGATRON_ADAPT_CUDA_GRAPHS=auto (default): turned on Megatron's --cuda-graph-impl local" in proc.stderr
+            and "MEGATRON_ADAPT_CUDA_GRAPHS=off or --cuda-graph-impl none runs eager" in proc.stderr), proc.stderr
+
+
+def test_default_on_a_backend_without_graphs_is_in_the_report_only(python):
+    proc = run_case(python, None, backend="cpu")
+    assert proc.returncode == 0 and "IMPL none" in proc.stdout, proc.stderr
+    assert ("eager (MEGATRON_ADAPT_CUDA_GRAPHS=auto (default): CUDA graphs need the cuda backend "
+            "(this process runs cpu))") in proc.stdout
+    assert "MEGATRON_ADAPT_CUDA_GRAPHS" not in proc.stderr, proc.stderr
+    chosen = run_case(python, "auto", backend="cpu")          # chosen by the user: said on stderr too
+    assert "MEGATRON_ADAPT_CUDA_GRAPHS=auto: running eager: CUDA graphs need the cuda backend" in chosen.stderr
+
+
+@pytest.mark.parametrize("argv", [["pretrain_gpt.py", "--cuda-graph-impl", "none"],
+                                  ["pretrain_gpt.py", "--cuda-graph-impl=none"]])
+def test_a_typed_none_wins_over_the_default(python, argv):
+    proc = run_case(python, None, argv=argv)
+    assert "IMPL none" in proc.stdout and "--cuda-graph-impl none (the launch's own flag kept)" in proc.stdout
+    assert "turned on" not in proc.stderr
+
+
+@pytest.mark.parametrize("case,reason", [
+    (dict(argv=["pretrain_mamba.py"]), "auto turns graphs on for pretrain_gpt.py launches, where "
+                                        "megatron-adapt measured them (this process runs pretrain_mamba.py)"),
+    (dict(cp=2), "--context-parallel-size 2: graphs are not yet measured with it here"),
+])
+def test_auto_leaves_unmeasured_configurations_eager_local_tries_them(python, case, reason):
+    auto = run_case(python, None, **case)
+    assert "IMPL none" in auto.stdout and reason in auto.stdout, auto.stdout
+    assert f"running eager: {reason}" in auto.stderr and "MEGATRON_ADAPT_CUDA_GRAPHS=local or" in auto.stderr
+    local = run_case(python, "local", **case)
+    assert "IMPL local" in local.stdout, local.stdout
+
+
+def test_expandable_segments_without_nccl_graph_register_stay_eager(python):
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    proc = run_case(python, None, extra_env=env)
+    assert "IMPL none" in proc.stdout and "set NCCL_GRAPH_REGISTER=0" in proc.stdout, proc.stdout
+    ok = run_case(python, None, extra_env={**env, "NCCL_GRAPH_REGISTER": "0"})
+    assert "IMPL local" in ok.stdout, ok.stdout
+
+
+EVAL = textwrap.dedent("""
+    import torch
+    from megatron.core.transformer.module import MegatronModule
+    from megatron_adapt.patches.cuda_graphs import build_eval_eager
+    class Layer(MegatronModule):
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+        def forward(self, x, inference_context=None):
+            return "eager"
+    manager = type("Manager", (), {{"func": {func}}})()
+    call = build_eval_eager(None, None)
+    graphs = lambda module, args, kwargs: "graph"        # Megatron's CudaGraphManager.__call__
+    layer = Layer()
+    print("TRAIN", call(graphs, manager, (layer, (1,), {{}}), {{}}))
+    layer.eval()
+    print("EVAL", call(graphs, manager, (layer, (1,), {{}}), {{}}))
+    print("INFERENCE", call(graphs, manager, (layer, (1,), {{"inference_context": object()}}), {{}}))
+""")
+
+
+@pytest.mark.parametrize("func", ["None", "lambda *a, **k: 'eager func'"])
+def test_a_layer_in_eval_mode_runs_eager_under_graphs(python, func):
+    """CudaGraphManager.__call__ wrapped: training and inference (with an inference_context) go to
+    Megatron's graphs, a validation forward (eval mode) to the module's eager forward (the manager's
+    own func where Megatron set one). tests/cuda/test_cuda_graphs.py checks it with real graphs."""
+    proc = python(EVAL.format(func=func))
+    eager = "eager func" if func != "None" else "eager"
+    assert f"TRAIN graph\nEVAL {eager}\nINFERENCE graph" in proc.stdout, proc.stdout
+
+
+def test_tensor_parallel_is_captured_pipeline_parallel_is_refused(python):
+    """auto takes tensor parallelism (measured on 2 GPUs, docs/cuda-graphs.md); pipeline parallelism
+    stays eager in every mode: Megatron's schedule asserts on the layer graphs' view outputs."""
+    tp = run_case(python, None, tp=2)
+    assert "IMPL local" in tp.stdout, tp.stdout
+    why = "--pipeline-model-parallel-size 2: Megatron's pipeline schedule frees each stage's output"
+    for mode in (None, "local"):
+        pp = run_case(python, mode, pp=2)
+        assert "IMPL none" in pp.stdout and why in pp.stdout and "counter-productive to free a view" in pp.stdout, pp.stdout
