@@ -29,7 +29,8 @@ PackedSeqParams.
 import copy
 
 from megatron_adapt import start_checks
-from megatron_adapt.spec import PatchSpec
+from megatron_adapt.patches.package_versions import serve_te_version
+from megatron_adapt.spec import PatchSpec, SkipPatch
 from megatron_adapt.start_checks import where
 
 AREA = "context_parallel"
@@ -308,7 +309,35 @@ def build_per_document_split(backend, original):
     return _get_batch_on_this_cp_rank_per_document_balancing
 
 
+# ------------------------------------------------- MIMO's partition adapter (core 0.17 on), THD under CP
+class ThdIndices:
+    """The one Transformer Engine extension call MIMO's PartitionAdapter makes (`tex.` in
+    models/mimo/partition/utils.py), on megatron-adapt's indices."""
+
+    @staticmethod
+    def thd_get_partitioned_indices(cu_seqlens_padded, total, cp_size, cp_rank):
+        from megatron_adapt.backends import context_parallel as cp
+        return cp.thd_partitioned_indices(cu_seqlens_padded, total, cp_size, cp_rank)
+
+
+def _mimo_served(name, obj):
+    def build(backend, original):
+        if start_checks.te_installed():
+            raise SkipPatch(f"Transformer Engine is installed: MIMO's partition adapter uses its {name}")
+        return obj
+    return build
+
+
+MIMO_PARTITION = "megatron.core.models.mimo.partition.utils"
+# the adapter asks for TE 1.10 (thd_get_partitioned_indices) before a THD split under CP, and for
+# nothing else; ThdIndices serves that call
+serve_te_version(AREA, MIMO_PARTITION, "1.10.0")
+
 SPECS = [
+    PatchSpec(f"{MIMO_PARTITION}:tex", area=AREA, build=_mimo_served("tex", ThdIndices), create=True,
+              check_signature=False, optional=True, versions=">=0.17.0,<0.20.0"),
+    PatchSpec(f"{MIMO_PARTITION}:_HAVE_TEX", area=AREA, build=_mimo_served("_HAVE_TEX", True),
+              check_signature=False, optional=True, versions=">=0.17.0,<0.20.0"),
     # 0.15 has no THD split under CP; 0.18 names 0.19's split get_sft_batch_on_this_cp_rank (same
     # arguments, the same body around tex.thd_get_partitioned_indices)
     PatchSpec("megatron.core.utils:get_thd_batch_on_this_cp_rank", area=AREA, build=build_thd_batch,

@@ -50,6 +50,7 @@ import torch
 
 from megatron_adapt import report, start_checks
 from megatron_adapt.errors import UnsupportedFeatureError
+from megatron_adapt.patches.package_versions import serve_te_version
 from megatron_adapt.spec import WRAP, PatchSpec, ServesPlainInstances, SkipPatch
 
 RECIPES_SERVED = ("tensorwise", "delayed", "blockwise")
@@ -498,22 +499,11 @@ def _experts_name(name, obj):
     return _served_without_te(name, obj, "Megatron's fp8 experts")
 
 
-_MOE_FP8_TE_VERSIONS = ("1.7.0.dev0", "1.11.0")
-
-
-def build_moe_te_version(backend, original):
-    if start_checks.te_installed():
-        raise SkipPatch("Transformer Engine is installed: Megatron checks its version")
-
-    def is_te_min_version(version, check_equality=True):
-        """TransformerConfig asks for TE 1.7 (experts with zero tokens) and 1.11 (grouped GEMM) before
-        it takes MoE in fp8; in transformer_config.py those two versions gate nothing else. Without TE
-        the experts run on megatron-adapt's fp8 grouped GEMM, which handles both, and the fp8 start
-        check (run right after __post_init__) refuses the MoE set-ups it does not serve."""
-        if version in _MOE_FP8_TE_VERSIONS:
-            return True
-        return original(version, check_equality)
-    return is_te_min_version
+# TransformerConfig asks for TE 1.7 (experts with zero tokens) and 1.11 (grouped GEMM) before it
+# takes MoE in fp8; in transformer_config.py those two versions gate nothing else. Without TE the
+# experts run on megatron-adapt's fp8 grouped GEMM, which handles both, and the fp8 start check (run
+# right after __post_init__) refuses the MoE set-ups it does not serve.
+serve_te_version("fp8", "megatron.core.transformer.transformer_config", "1.7.0.dev0", "1.11.0")
 
 
 GRAPHS = "megatron.core.transformer.cuda_graphs"
@@ -530,8 +520,6 @@ SPECS = [
     # Fp8Unpadding; its linears are megatron-adapt's grouped linears (patches/moe), which run the
     # backend's fp8_grouped_gemm. experts.py reads HAVE_TE nowhere else that TE's absence changes:
     # its fused-ops probe imports transformer_engine itself.
-    PatchSpec("megatron.core.transformer.transformer_config:is_te_min_version", area="fp8",
-              build=build_moe_te_version),
     PatchSpec(f"{EXPERTS}:HAVE_TE", area="fp8", build=_experts_name("HAVE_TE", True), check_signature=False),
     PatchSpec(f"{EXPERTS}:Fp8Padding", area="fp8", build=_experts_name("Fp8Padding", Fp8Padding),
               create=True, check_signature=False),

@@ -15,8 +15,16 @@ error is raised as before, and an installed package's version is the original's.
 "absent" answer is kept, as Megatron keeps a found version (and 0.17+ keeps 0.0.0 for TE).
 Every module that imported a helper by name is rebound by the applier; `is_<pkg>_min_version`
 calls the module global, so it answers too.
+
+`is_te_min_version` is also where a Megatron module gates a feature that megatron-adapt serves
+without TE (TransformerConfig's fp8 MoE checks, MIMO's THD split under CP). The applier rebinds a
+patched function in every module that imported it, so those answers cannot live in one module's
+copy: one wrapper answers True only for the (calling module, version) pairs a patch area
+registered with `serve_te_version`, while that area is on and TE is absent, and asks the original
+for every other caller and version.
 """
 import importlib.util
+import sys
 
 from packaging.version import Version
 
@@ -53,7 +61,31 @@ def helper_for(package: str):
     return build
 
 
+_SERVED_TE_VERSIONS: dict[tuple[str, str], str] = {}   # (calling module, version) -> patch area
+
+
+def serve_te_version(area: str, module: str, *versions: str) -> None:
+    """`module`'s is_te_min_version(v) answers True for each of `versions` while `area` is on and TE
+    is absent: megatron-adapt serves what that check gates there."""
+    for version in versions:
+        _SERVED_TE_VERSIONS[(module, version)] = area
+
+
+def build_te_min_version(backend, original):
+    from megatron_adapt import start_checks
+    from megatron_adapt.core import active_config
+
+    def is_te_min_version(version, check_equality=True):
+        area = _SERVED_TE_VERSIONS.get((sys._getframe(1).f_globals.get("__name__"), version))
+        if area and active_config().enabled(area) and not start_checks.te_installed():
+            return True
+        return original(version, check_equality)
+    is_te_min_version.__doc__ = original.__doc__
+    return is_te_min_version
+
+
 SPECS = [
+    PatchSpec(f"{UTILS}:is_te_min_version", area="package_versions", build=build_te_min_version),
     PatchSpec(f"{UTILS}:get_te_version", area="package_versions", build=helper_for("transformer_engine"),
               versions=">=0.15.0,<0.17.0"),
     PatchSpec(f"{UTILS}:get_fa_version", area="package_versions", build=helper_for("flash_attn")),
