@@ -18,16 +18,16 @@ MEGATRON_ADAPT_CUDA_GRAPHS=auto (the default) | local | off turns Megatron's own
 local` on without editing a launch script (`parse_args` wrapped: the flag is set before
 `validate_args` checks it). Small models' eager steps wait on the host (docs/host-time.md); graphs
 replay a layer's kernels with one launch. `auto` turns graphs on only where megatron-adapt measured
-them (stock pretrain_gpt.py; data and tensor parallel, not context / expert parallel) and Megatron can
-capture (not with pipeline parallelism: Megatron's schedule asserts on the graphs' outputs); everywhere else the run stays eager and the
-start-up line and the report say why. `local` tries every configuration Megatron can capture (an
+them (stock pretrain_gpt.py; data and tensor parallel, not context / expert parallel) and Megatron
+can capture (never with pipeline parallelism: Megatron's schedule asserts on the graphs' outputs);
+everywhere else the run stays eager and the start-up line and the report say why. `local` tries every configuration Megatron can capture (an
 eager fallback is a fallback, an error under MEGATRON_ADAPT_STRICT=1). A launch's own
 --cuda-graph-impl, `none` included, always wins; `off` leaves Megatron's flags alone.
 MoE (`--num-experts`) is captured whole-layer only, and only with the alltoall dispatcher and
 capacity-padded dispatch (static shapes, nothing read back to the host); `_moe_why_not` says why
 everything else is refused, docs/moe.md ("CUDA graphs") has Megatron's code for it.
 
-Evaluation under layer graphs runs eager (`eval_eager`): Megatron's CudaGraphManager replays the
+Evaluation under layer graphs runs eager (`build_eval_eager`): Megatron's CudaGraphManager replays the
 training-mode graph for a layer in eval mode, dropout and MoE aux-loss bookkeeping included, so a
 validation loss would be computed with dropout on.
 """
