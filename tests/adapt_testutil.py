@@ -7,11 +7,9 @@ import sys
 def free_port() -> str:
     """A free local port: fixed ports collide when two test runs share the machine (CI runs the two
     Pythons' suites side by side)."""
-    import socket
+    from megatron_adapt.apps.ports import free_port as pick
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+    return str(pick())
 
 
 def run_python(code_or_args, env=None, timeout=300, check=True, unset=()):
@@ -29,13 +27,9 @@ def run_python(code_or_args, env=None, timeout=300, check=True, unset=()):
 def spawn_ranks(worker, nprocs=2, timeout=600):
     """Run worker(rank, port, queue) in `nprocs` spawned processes on one free port; each puts
     (rank, result) on the queue. Returns {rank: result}."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = int(free_port())
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, port, q)) for r in range(nprocs)]

@@ -559,3 +559,22 @@ def test_cpu_device_layer_streams_are_recordable():
         print("OK")
         """), env={"MEGATRON_ADAPT_AUTO": "0"})
     assert proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+
+
+def test_free_port_is_below_the_ephemeral_range_and_not_tied_to_the_global_seed():
+    """Ports from bind(0) collided with gloo's listeners of a suite running alongside (EADDRINUSE)."""
+    import random
+    import socket
+
+    from megatron_adapt.apps import ports
+
+    low = ports._ephemeral_low()
+    picks = set()
+    for _ in range(5):
+        random.seed(1234)  # Megatron seeds the global generator the same in every run
+        port = ports.free_port()
+        assert ports._FLOOR <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+        picks.add(port)
+    assert len(picks) > 1

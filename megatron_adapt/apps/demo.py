@@ -8,7 +8,7 @@ loss curves are comparable step for step.
 from __future__ import annotations
 
 import os
-import socket
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
@@ -211,9 +211,12 @@ def _train(rank: int, cfg: RunConfig):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from megatron_adapt.apps.ports import free_port
+
+    return free_port()
+
+
+PORT_TRIES = 3
 
 
 def run(cfg: RunConfig) -> list[dict]:
@@ -221,14 +224,27 @@ def run(cfg: RunConfig) -> list[dict]:
 
     A worker that dies before it reports (killed, or failing before `_worker` runs, e.g. at import)
     ends the run at once: the others are stopped and the error names the rank and its exit code
-    (its traceback is on stderr above)."""
+    (its traceback is on stderr above). The rendezvous port is picked free and then released, so
+    another process can take it before rank 0 binds it; that run is started again on a new port,
+    up to PORT_TRIES times."""
+    for attempt in range(1, PORT_TRIES + 1):
+        try:
+            return _run_on(cfg, _free_port())
+        except RuntimeError as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == PORT_TRIES:
+                raise
+            print(f"megatron-adapt demo: the rendezvous port was taken before rank 0 bound it; "
+                  f"starting again on another port ({attempt}/{PORT_TRIES - 1})", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+def _run_on(cfg: RunConfig, port: int) -> list[dict]:
     from multiprocessing.connection import wait
 
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, cfg, port, queue)) for r in range(cfg.world)]
     for p in procs:
         p.start()

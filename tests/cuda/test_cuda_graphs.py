@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -164,9 +163,9 @@ MODEL = [
 
 
 def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from megatron_adapt.apps.ports import free_port
+
+    return free_port()
 
 
 def _pretrain(tmp: Path, name: str, tp: int, extra: list) -> tuple[dict, dict]:

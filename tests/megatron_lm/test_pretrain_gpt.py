@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -72,9 +71,9 @@ ROW_RE = re.compile(r"^(\w+)\s+(\S+:\S+)\s+(applied|skipped|failed|pending|disab
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from megatron_adapt.apps.ports import free_port
+
+    return free_port()
 
 
 def _env() -> dict:

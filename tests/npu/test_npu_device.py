@@ -2,7 +2,6 @@
 the CPU device layer) and maps nccl -> hccl; uninstall() restores everything; a second install
 works again. Two ranks create "nccl" groups that arrive as (emulated) HCCL."""
 import os
-import socket
 import sys
 
 import torch
@@ -39,9 +38,9 @@ def test_nccl_names_map_to_hccl():
 
 
 def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from megatron_adapt.apps.ports import free_port
+
+    return free_port()
 
 
 def _rank(rank, port, queue):

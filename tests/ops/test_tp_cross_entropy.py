@@ -1,7 +1,6 @@
 """The TP-aware cross entropy under a real gloo process group (2 processes): the loss and the
 gradient of each vocabulary shard match the full-vocabulary fp64 reference."""
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
@@ -34,9 +33,9 @@ def _worker(rank, port, vocab, smoothing, q):
 
 
 def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from megatron_adapt.apps.ports import free_port
+
+    return free_port()
 
 
 def test_tp2_cross_entropy_matches_full_vocab_reference():

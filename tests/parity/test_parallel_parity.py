@@ -96,3 +96,23 @@ def test_fp16_dynamic_loss_scaler_skips_overflows_then_trains():
     assert scales[-1] < scales[0]
     assert losses[trained[-1] - 1] < losses[trained[0] - 1] - 0.3, losses  # ... then it trains on
     assert all(r["skipped"] == skipped for r in results)               # every rank skips together
+
+
+def test_run_starts_again_when_the_rendezvous_port_is_taken(monkeypatch, capfd):
+    """CI once lost a run to EADDRINUSE: the free port was taken between picking and binding it."""
+    import socket
+
+    from megatron_adapt.apps import demo
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    real = demo._free_port
+    monkeypatch.setattr(demo, "_free_port", lambda: ports.pop() if ports else real())
+    try:
+        curve = losses_of(run(RunConfig(steps=2, backend="cpu")))
+    finally:
+        taken.close()
+    assert len(curve) == 2 and not ports
+    assert "starting again on another port (1/2)" in capfd.readouterr().err

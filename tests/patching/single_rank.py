@@ -2,16 +2,15 @@
 `python <script>`, so this folder is on its sys.path): rank 0 of 1, on a free port unless the test
 passes PROBE_PORT (fixed ports collided between two test runs on one machine)."""
 import os
-import socket
 
 
 def probe_port() -> str:
     """PROBE_PORT if the test passes one, else a free port."""
     port = os.environ.get("PROBE_PORT")
     if not port:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = str(s.getsockname()[1])
+        from megatron_adapt.apps.ports import free_port
+
+        port = str(free_port())
     return port
 
 

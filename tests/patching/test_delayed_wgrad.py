@@ -19,10 +19,9 @@ LINEARS = ["column", "row", "norm_column", "duplicated", "grouped_fc1", "grouped
 
 
 def _free_port() -> str:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+    from megatron_adapt.apps.ports import free_port
+
+    return str(free_port())
 
 
 @lru_cache(maxsize=None)

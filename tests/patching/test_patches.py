@@ -13,11 +13,9 @@ CONSUMERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "consumers.
 
 
 def _free_port():
-    import socket
+    from megatron_adapt.apps.ports import free_port  # below the ephemeral range: see its docstring
 
-    with socket.socket() as s:  # a fixed port collides with other test runs on a shared machine
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+    return str(free_port())
 
 
 @lru_cache(maxsize=None)
