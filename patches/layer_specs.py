@@ -19,8 +19,9 @@ state-dict keys of a TE-built one (`linear_qkv.layer_norm_weight`, ...):
 - norm fused into the column-parallel linear -> `AdaptLayerNormColumnParallelLinear` (the
   backend's norm op, then Megatron's ColumnParallelLinear);
 - linears -> Megatron's ColumnParallelLinear / RowParallelLinear (gradient-accumulation fusion
-  through patches/grad_accum_fusion); with config.fp8 set, subclasses that run fp8 GEMMs inside
-  Megatron's fp8 context (patches/fp8);
+  through patches/grad_accum_fusion), initializing their weights under TE's RNG rule
+  (`te_init_rng`); with config.fp8 set, subclasses that run fp8 GEMMs inside Megatron's fp8
+  context (patches/fp8);
 - core attention -> Megatron's DotProductAttention taking TEDotProductAttention's k_channels /
   v_channels (multi-latent attention), whose forward patches/attention puts on the backend's fused
   attention op (this is what `--attention-backend auto` gets);
@@ -111,6 +112,7 @@ def _provider_class(backend):
     # (patches/fp8); with config.delay_wgrad_compute, it leaves its weight-gradient GEMM to
     # backward_dw() (patches/delayed_wgrad); otherwise it is Megatron's own class.
     def variant(base):
+        base = te_init_rng(base)
         return delayed_wgrad_variant(base, outer=fp8_variant(base, backend))
 
     norm_linear = variant(build_norm_linear_class(backend))
@@ -147,6 +149,45 @@ def _provider_class(backend):
             return _sequential_experts_delayed(super().grouped_mlp_modules(*args, **kwargs))
 
     return AdaptSpecProvider
+
+
+_te_rng_classes: dict[type, type] = {}
+
+
+def _no_fork(*args, **kwargs):
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def te_init_rng(base):
+    """`base` (a Megatron linear class) initializing its weights on the GPU as TE's linears do.
+
+    Megatron's `_initialize_affine_weight_gpu` always forks the model-parallel RNG tracker, which
+    raises when the tracker has no states. TE's linears are handed the tracker only if it was
+    initialized when they were built, and otherwise draw from the default generator; a model built
+    from the TE spec before `model_parallel_cuda_manual_seed` (MIMO's 1F1B test on core_v0.19) builds
+    under TE, so it builds here too. With an initialized tracker nothing changes."""
+    if base in _te_rng_classes:
+        return _te_rng_classes[base]
+
+    def __init__(self, *args, **kwargs):
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        tracker = get_cuda_rng_tracker()
+        if tracker.is_initialized():
+            base.__init__(self, *args, **kwargs)
+            return
+        tracker.fork = _no_fork    # an instance attribute, over the class's method, for this build only
+        try:
+            base.__init__(self, *args, **kwargs)
+        finally:
+            del tracker.fork
+
+    cls = type(base.__name__, (base,), {"__init__": __init__, "__doc__": base.__doc__,
+                                        "__module__": __name__, "__qualname__": base.__qualname__})
+    _te_rng_classes[base] = cls
+    return cls
 
 
 def _sequential_experts_delayed(spec):
@@ -439,7 +480,7 @@ def build_gathered_norm_linear(backend, original):
     if key not in _built:
         from megatron.core.transformer.heterogeneous import linear_replacements
 
-        class AdaptLayerNormColumnParallelLinearGathered(build_norm_linear_class(backend)):
+        class AdaptLayerNormColumnParallelLinearGathered(te_init_rng(build_norm_linear_class(backend))):
             def __init__(self, config, tp_comm_buffer_name=None, *args, **kwargs):
                 if getattr(config, "fp8", None):
                     from megatron_adapt.errors import UnsupportedFeatureError

@@ -196,6 +196,50 @@ def _():
     return out
 
 
+@check("linear_init_rng")
+def _():
+    """Weight initialization on the device (use_cpu_initialization=False): the TE spec's linears
+    fork the model-parallel RNG tracker only if it is initialized when they are built (TE hands its
+    linears the tracker or None); Megatron's local ColumnParallelLinear forks it always (an
+    uninitialized tracker raises)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    te_mlp = get_gpt_layer_with_transformer_engine_spec().submodules.mlp.submodules
+    local_mlp = get_gpt_layer_local_spec().submodules.mlp.submodules
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=False)
+    tracker = get_cuda_rng_tracker()
+    kwargs = dict(config=config, init_method=config.init_method, bias=False, skip_bias_add=True,
+                  gather_output=False, is_expert=False)
+
+    def build(cls, seeded):
+        if seeded:
+            model_parallel_cuda_manual_seed(0)   # the same tracker states for each build
+        else:
+            tracker.reset()
+        torch.manual_seed(7)
+        try:
+            linear = cls(32, 64, **kwargs)
+        except Exception as exc:  # noqa: BLE001 (the message is the result)
+            return {"error": str(exc)[:120]}
+        return {"cls": type(linear).__name__, "weight": linear.weight.detach().clone(),
+                "fork": "fork" in tracker.__dict__}
+
+    out = {"te_seeded": build(te_mlp.linear_fc1, True), "local_seeded": build(local_mlp.linear_fc1, True)}
+    out["seeded_same"] = torch.equal(out["te_seeded"].pop("weight", None), out["local_seeded"].pop("weight", None))
+    try:
+        out["te_unseeded"] = build(te_mlp.linear_fc1, False)
+        out["local_unseeded"] = build(local_mlp.linear_fc1, False)
+        torch.manual_seed(7)
+        default = torch.empty(64, 32)
+        config.init_method(default)
+        unseeded = out["te_unseeded"].pop("weight", None)
+        out["unseeded_from_default_generator"] = unseeded is not None and torch.equal(unseeded.cpu().float(), default)
+    finally:
+        model_parallel_cuda_manual_seed(0)
+    return out
+
+
 @check("provider_classes_isinstance")
 def _():
     """The provider's linears are variants (fp8, delayed wgrad) whose constructor returns a plain

@@ -124,6 +124,17 @@ class TestAttention(PatchContract):
         assert res["te_unseeded"] == {"fork": False, "cls": "AdaptDotProductAttention", "tracker_advanced": False}, res
         assert res["local_unseeded"]["error"] == "cuda rng state model-parallel-rng is not added", res
 
+    def test_linear_weight_init_follows_te_for_te_named_linears_and_megatron_for_local(self):
+        res = consumer("linear_init_rng")
+        assert res["te_seeded"] == {"cls": "AdaptLayerNormColumnParallelLinear", "fork": False}, res
+        assert res["local_seeded"] == {"cls": "ColumnParallelLinear", "fork": False}, res
+        assert res["seeded_same"], res      # an initialized tracker: both fork it, the same weights
+        # no tracker states: the TE-named linear draws from the default generator; the override
+        # of the tracker's fork is gone after the build
+        assert res["te_unseeded"] == {"cls": "AdaptLayerNormColumnParallelLinear", "fork": False}, res
+        assert res["unseeded_from_default_generator"], res
+        assert res["local_unseeded"]["error"] == "cuda rng state model-parallel-rng is not added", res
+
 
 class TestContextParallel(PatchContract):
     """The CP core attention itself: tests/ops/test_cp_attention.py (op) and
