@@ -652,3 +652,101 @@ def rms_norm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gat
     if z is not None and norm_before_gate:
         y = y * F.silu(z.float())
     return y.to(x.dtype)
+
+
+def ssm_conv_update(x, conv_state, weight, bias, silu, conv_state_indices=None,
+                    intermediate_conv_states=None):
+    """One decode step (or a few: speculative tokens) of the causal conv over a conv-state cache.
+    x [b, d] or [b, s, d]; conv_state [slots, d, L] (L >= w), updated in place; weight [d, w];
+    conv_state_indices [b] int (row i uses slot indices[i]; a negative slot gives zeros and
+    touches nothing) | None (row i is slot i); intermediate_conv_states [slots, s, d, L] | None
+    gets the state after each token. Per token: y = act(bias + sum_k weight[:, k] window[k]) over
+    the state's last w - 1 columns and the token, then the state shifts left by one and takes
+    the token. Megatron's causal_conv1d_update (megatron/core/ssm/ops) semantics; fp32 math."""
+    squeeze = x.dim() == 2
+    if squeeze:
+        x = x.unsqueeze(1)
+    b, s, _ = x.shape
+    w, length = weight.size(-1), conv_state.size(-1)
+    idx = (torch.arange(b, device=x.device) if conv_state_indices is None
+           else conv_state_indices.to(device=x.device, dtype=torch.long))
+    valid = idx >= 0
+    rows = idx[valid]
+    out = torch.zeros_like(x)
+    wf = weight.float()
+    for t in range(s):
+        tok = x[valid, t]                                                          # [n, d]
+        state = conv_state[rows]
+        window = torch.cat([state[..., length - w + 1:].float(), tok.float()[..., None]], dim=-1)
+        y = (window * wf).sum(-1)
+        if bias is not None:
+            y = y + bias.float()
+        if silu:
+            y = F.silu(y)
+        state = torch.cat([state[..., 1:], tok.to(conv_state.dtype)[..., None]], dim=-1)
+        conv_state[rows] = state
+        if intermediate_conv_states is not None:
+            intermediate_conv_states[rows, t] = state.to(intermediate_conv_states.dtype)
+        out[valid, t] = y.to(out.dtype)
+    return out.squeeze(1) if squeeze else out
+
+
+def ssm_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                     state_batch_indices=None, intermediate_ssm_states=None):
+    """Mamba-2's recurrence for a decode step (or a few tokens) over an SSM-state cache, as
+    Megatron's selective_state_update (megatron/core/ssm/ops/mamba_ssm.py): state [slots, h, p, n]
+    (or [slots, p, n]), updated in place; x / dt / z [b, (s,) h, p]; A [h, p, n]; B / C
+    [b, (s,) g, n]; D / dt_bias [h, p]; a negative slot in state_batch_indices gives zeros.
+    Per token: dt' = softplus(dt + dt_bias) (dt' = dt above 20), h = h exp(A dt') + dt' B x,
+    y = (h C) + D x, times silu(z). fp32 math, x.dtype out."""
+    has_heads = state.dim() > 3
+    if not has_heads:
+        state = state.unsqueeze(1)
+    seq_unsq = False
+    if has_heads and x.dim() == 3:
+        x, dt, B, C = (t.unsqueeze(1) for t in (x, dt, B, C))
+        z = z.unsqueeze(1) if z is not None else None
+        seq_unsq = True
+    elif not has_heads and x.dim() == 2:
+        x, dt, B, C = (t[:, None, None] for t in (x, dt, B, C))
+        z = z[:, None, None] if z is not None else None
+        seq_unsq = True
+    elif not has_heads and x.dim() == 3:
+        x, dt, B, C = (t.unsqueeze(2) for t in (x, dt, B, C))
+        z = z.unsqueeze(2) if z is not None else None
+    A = A.unsqueeze(0) if A.dim() == 2 else A
+    D = D.unsqueeze(0) if D is not None and D.dim() == 1 else D
+    dt_bias = dt_bias.unsqueeze(0) if dt_bias is not None and dt_bias.dim() == 1 else dt_bias
+    inter = intermediate_ssm_states
+    if inter is not None and not has_heads and inter.dim() == 4:
+        inter = inter.unsqueeze(2)
+    b, s, h, _ = x.shape
+    ratio = h // B.size(-2)
+    idx = (torch.arange(b, device=x.device) if state_batch_indices is None
+           else state_batch_indices.reshape(-1).to(device=x.device, dtype=torch.long))
+    valid = idx >= 0
+    rows = idx[valid]
+    out = torch.zeros_like(x)
+    hstate = state[rows].float()                                                   # [n, h, p, N]
+    for t in range(s):
+        d = dt[valid, t].float()
+        if dt_bias is not None:
+            d = d + dt_bias.float()
+        if dt_softplus:
+            d = torch.where(d <= 20.0, F.softplus(d), d)
+        Bt = B[valid, t].float().repeat_interleave(ratio, dim=1)                   # [n, h, N]
+        Ct = C[valid, t].float().repeat_interleave(ratio, dim=1)
+        xt = x[valid, t].float()                                                   # [n, h, p]
+        hstate = hstate * torch.exp(A.float() * d[..., None]) + (d * xt)[..., None] * Bt[:, :, None, :]
+        if inter is not None:
+            inter[rows, t] = hstate.to(inter.dtype)
+        y = (hstate * Ct[:, :, None, :]).sum(-1)
+        if D is not None:
+            y = y + xt * D.float()
+        if z is not None:
+            y = y * F.silu(z[valid, t].float())
+        out[valid, t] = y.to(out.dtype)
+    state[rows] = hstate.to(state.dtype)
+    if not has_heads:
+        out = out.squeeze(2)
+    return out.squeeze(1) if seq_unsq else out

@@ -155,6 +155,18 @@ OPS: dict[str, Op] = {
         ".ssm:rms_norm_gated",
         "(x [..., d], weight [d], z like x | None, eps, group_size | None, norm_before_gate: bool)"
         " -> y x.dtype: RMSNorm per group of channels, gated by silu(z) before or after"),
+    "ssm_conv_update": Op(
+        ".ssm:ssm_conv_update",
+        "(x [b, (s,) d], conv_state [slots, d, L] updated in place, weight [d, w], bias [d] | None,"
+        " silu: bool, conv_state_indices [b] | None (negative: padding), intermediate_conv_states "
+        "[slots, s, d, L] | None) -> y like x: the causal conv's decode step over a conv-state "
+        "cache (Megatron's causal_conv1d_update)"),
+    "ssm_state_update": Op(
+        ".ssm:ssm_state_update",
+        "(state [slots, h, p, n] updated in place, x [b, (s,) h, p], dt like x, A [h, p, n], "
+        "B / C [b, (s,) g, n], D [h, p] | None, z like x | None, dt_bias [h, p] | None, "
+        "dt_softplus, state_batch_indices [b] | None, intermediate_ssm_states | None) -> y like x:"
+        " Mamba-2's recurrence for decode (Megatron's selective_state_update)"),
     "rng_get_state": Op(
         ".rng:get_state",
         '() -> state tensor of the generator Megatron calls "cuda"'),

@@ -22,6 +22,10 @@ attention, TENorm -> the backend norm. So a model built from it has the state-di
 TE-built one. A TE leaf with no equivalent refuses at construction, naming it. The block's final
 norm calls `TENorm` directly: it is bound to the backend norm.
 
+Decoding (core_v0.17+): the mixer calls Megatron's own Triton kernels `causal_conv1d_update` and
+`selective_state_update`; on the cpu and npu backends they are bound to the backend's
+`ssm_conv_update` / `ssm_state_update` ops (on cuda Megatron's kernels serve).
+
 With mamba-ssm (or causal-conv1d, or TE) installed, Megatron's own imports serve and the
 corresponding specs here step aside.
 """
@@ -171,6 +175,40 @@ def build_causal_conv1d_fn(backend, original):
         return conv(x.transpose(1, 2), weight, bias, activation, seq_idx).transpose(1, 2)
 
     return causal_conv1d_fn
+
+
+GPU_DECODE = "Megatron's own Triton decode kernels (megatron/core/ssm/ops) serve on cuda"
+
+
+def build_conv_update(backend, original):
+    """core_v0.17+: the mixer's decode step calls Megatron's own Triton `causal_conv1d_update`
+    (imported unconditionally); on a backend without a CUDA device it is the backend's
+    ssm_conv_update op, with the same arguments and in-place state update."""
+    if backend.name == "cuda":
+        raise SkipPatch(GPU_DECODE)
+    update = backend.op("ssm_conv_update")
+
+    def causal_conv1d_update(x, conv_state, weight, bias, silu_activation, conv_state_indices,
+                             intermediate_conv_states=None):
+        return update(x, conv_state, weight, bias, bool(silu_activation), conv_state_indices,
+                      intermediate_conv_states)
+
+    return causal_conv1d_update
+
+
+def build_state_update(backend, original):
+    """core_v0.17+: Megatron's own Triton `selective_state_update` (decode), as build_conv_update."""
+    if backend.name == "cuda":
+        raise SkipPatch(GPU_DECODE)
+    update = backend.op("ssm_state_update")
+
+    def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
+                               dt_softplus=False, state_batch_indices=None,
+                               intermediate_ssm_states=None):
+        return update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
+                      intermediate_ssm_states)
+
+    return selective_state_update
 
 
 def build_sequence_packing_check(backend, original):
@@ -383,6 +421,8 @@ SPECS = [
     PatchSpec(f"{MIXER}:causal_conv1d_fn", area="ssm", build=build_causal_conv1d_fn),
     PatchSpec(f"{MIXER}:RMSNormGated", area="ssm", build=build_rms_norm_gated_shared, check_signature=False),
     PatchSpec(f"{MIXER}:ExtendedRMSNorm", area="ssm", build=build_extended_rms_norm, check_signature=False),
+    PatchSpec(f"{MIXER}:causal_conv1d_update", area="ssm", build=build_conv_update, versions=">=0.17.0"),
+    PatchSpec(f"{MIXER}:selective_state_update", area="ssm", build=build_state_update, versions=">=0.17.0"),
     PatchSpec(f"{MIXER}:_check_mamba_sequence_packing_support", area="ssm",
               build=build_sequence_packing_check, versions=">=0.16.0,<0.20.0"),
     PatchSpec(f"{MIXER}:MAMBA_HAS_STATE_DTYPE", area="ssm", build=build_has_state_dtype,

@@ -23,7 +23,10 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
+
+from megatron_adapt.apps.ports import free_port
 
 UT = "tests/unit_tests/"
 CORE16 = [UT + f for f in (
@@ -52,13 +55,17 @@ def run(name, targets, args, lm):
     if launcher is None:
         raise SystemExit("megatron-adapt-run not found: pip install megatron-adapt into this Python")
     cmd = [launcher, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-           "--master-port", str(args.master_port), "--tee", "3",
+           "--master-port", str(args.master_port or free_port()), "--tee", "3",
            "-m", "pytest", "-q", "-rs", "--maxfail=1000000", "--continue-on-collection-errors", "-p", "no:cacheprovider", "-p", "megatron_adapt.apps.pytest_plugin",
            "--megatron-adapt-json", os.path.join(out, "rank{rank}.json"),
            "--megatron-adapt-test-timeout", str(args.test_timeout), *args.pytest_args, *targets]
     env = dict(os.environ, MEGATRON_LM_PATH=lm, MEGATRON_ADAPT_BACKEND=args.backend,
                MEGATRON_ADAPT_QUIET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env.pop("MEGATRON_ADAPT_AUTO", None)  # these runs are under megatron-adapt by definition
+    # Megatron's conftest puts checkpoints in <pytest's temp root>/tmp_dist_ckpt, one folder for
+    # every pytest session of the user: runs side by side overwrote each other's checkpoints
+    # (FileNotFoundError on .metadata.tmp). Each run gets its own temp root, shared by its ranks.
+    env["TMPDIR"] = tempfile.mkdtemp(prefix=f"megatron-unit-tests-{name}-")
     t0 = time.time()
     with open(os.path.join(out, "pytest.log"), "w") as log:
         log.write(" ".join(cmd) + "\n")
@@ -68,6 +75,7 @@ def run(name, targets, args, lm):
                                 timeout=args.run_timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
+    shutil.rmtree(env["TMPDIR"], ignore_errors=True)
     elapsed = time.time() - t0
     reports = {}
     for rank in range(args.nproc):
@@ -117,7 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--dirs", nargs="*", default=[], help="tests/unit_tests subdirectories, one run each")
     p.add_argument("--run-timeout", type=int, default=3600)
     p.add_argument("--test-timeout", type=float, default=600, help="seconds a test may run (0: no limit)")
-    p.add_argument("--master-port", type=int, default=29571)
+    p.add_argument("--master-port", type=int, default=None, help="default: a free port")
     p.add_argument("--pytest-args", nargs="*", default=[])
     args = p.parse_args(argv)
     lm = os.environ.get("MEGATRON_LM_PATH")

@@ -22,3 +22,17 @@ def causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None):
 def rms_norm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
     report.ran("rms_norm_gated", "cpu.reference.rms_norm_gated")
     return reference.rms_norm_gated(x, weight, z, eps, group_size, norm_before_gate)
+
+
+def ssm_conv_update(x, conv_state, weight, bias, silu, conv_state_indices=None,
+                    intermediate_conv_states=None):
+    report.ran("ssm_conv_update", "cpu.reference.ssm_conv_update")
+    return reference.ssm_conv_update(x, conv_state, weight, bias, silu, conv_state_indices,
+                                     intermediate_conv_states)
+
+
+def ssm_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                     state_batch_indices=None, intermediate_ssm_states=None):
+    report.ran("ssm_state_update", "cpu.reference.ssm_state_update")
+    return reference.ssm_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                                      state_batch_indices, intermediate_ssm_states)

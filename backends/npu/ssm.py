@@ -36,3 +36,21 @@ def causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None):
 def rms_norm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
     report.fell_back("rms_norm_gated", "npu.reference.rms_norm_gated", NO_GATED_NORM)
     return reference.rms_norm_gated(x, weight, z, eps, group_size, norm_before_gate)
+
+
+NO_DECODE = ("torch_npu has no selective-state-update op, and its npu_fused_causal_conv1d (a "
+             "conv-state cache op) is not yet matched to this contract on an Ascend device")
+
+
+def ssm_conv_update(x, conv_state, weight, bias, silu, conv_state_indices=None,
+                    intermediate_conv_states=None):
+    report.fell_back("ssm_conv_update", "npu.reference.ssm_conv_update", NO_DECODE)
+    return reference.ssm_conv_update(x, conv_state, weight, bias, silu, conv_state_indices,
+                                     intermediate_conv_states)
+
+
+def ssm_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                     state_batch_indices=None, intermediate_ssm_states=None):
+    report.fell_back("ssm_state_update", "npu.reference.ssm_state_update", NO_DECODE)
+    return reference.ssm_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                                      state_batch_indices, intermediate_ssm_states)

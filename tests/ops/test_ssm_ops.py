@@ -61,3 +61,50 @@ def test_causal_conv1d_and_gated_norm():
     g = (xz * F.silu(z)).view(3, 2, 4)
     expect = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + 1e-5)).view(3, 8) * wn
     torch.testing.assert_close(y, expect)
+
+
+def test_decode_steps_reproduce_the_full_sequence_ops():
+    """Token-at-a-time decoding (the conv-state and SSM-state caches, Megatron's causal_conv1d_update
+    and selective_state_update contracts) gives the full-sequence conv and the sequential scan, in
+    cache slots chosen by index; a padding row (slot -1) gives zeros and touches no state; the
+    intermediate buffers hold the state after each token; two tokens per call equal two calls."""
+    torch.manual_seed(3)
+    b, l, d, w, L = 2, 9, 6, 4, 4
+    x, wt, bias = torch.randn(b, l, d), torch.randn(d, w), torch.randn(d)
+    conv = load("cpu").op("ssm_conv_update")
+    state = torch.zeros(4, d, L)                        # 4 slots; rows use slots 2 and 0
+    idx = torch.tensor([2, 0])
+    ys = [conv(x[:, t], state, wt, bias, True, idx) for t in range(l - 2)]
+    inter = torch.zeros(4, 2, d, L)
+    ys.append(conv(x[:, l - 2:], state, wt, bias, True, idx, inter))          # the last two at once
+    y = torch.cat([torch.stack(ys[:-1], 1), ys[-1]], 1)
+    torch.testing.assert_close(y, reference.causal_conv1d(x, wt, bias, "silu"))
+    torch.testing.assert_close(state[idx], x[:, l - L:].transpose(1, 2))
+    torch.testing.assert_close(inter[idx, 1], state[idx])
+    torch.testing.assert_close(inter[idx, 0], x[:, l - L - 1:l - 1].transpose(1, 2))
+    before = state.clone()
+    pad = conv(x[:, 0], state, wt, bias, True, torch.tensor([-1, 1]))
+    assert torch.equal(pad[0], torch.zeros(d)) and torch.equal(state[[0, 2, 3]], before[[0, 2, 3]])
+
+    inp = {k: v.detach() for k, v in _leaves(b=2, l=7).items()}
+    h, p, n = inp["x"].shape[2], inp["x"].shape[3], inp["B"].shape[3]
+    yr, sr = reference.ssd_scan_sequential(**inp, dt_softplus=True, return_final_states=True)
+    step = load("cpu").op("ssm_state_update")
+    ssm = torch.zeros(3, h, p, n)
+    ssm[[1, 2]] = inp["initial_states"]
+    rows = torch.tensor([1, 2])
+    A = inp["A"][:, None, None].expand(h, p, n)         # as the mixer passes them: per head and dim
+    dt_bias, D = inp["dt_bias"][:, None].expand(h, p), inp["D"][:, None].expand(h, p)
+    out = []
+    for t in range(7):
+        dt = inp["dt"][:, t, :, None].expand(b, h, p)
+        out.append(step(ssm, inp["x"][:, t], dt, A, inp["B"][:, t], inp["C"][:, t], D, inp["z"][:, t],
+                        dt_bias, True, rows))
+    torch.testing.assert_close(torch.stack(out, 1), yr, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ssm[rows], sr, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ssm[0], torch.zeros(h, p, n))
+    from megatron_adapt.backends.npu import ssm as npu_ssm   # the module: no torch_npu needed
+
+    report.reset_op_counts()
+    npu_ssm.ssm_state_update(ssm, inp["x"][:, 0], dt, A, inp["B"][:, 0], inp["C"][:, 0])
+    assert report.op_counts()["ssm_state_update"] == {"npu.reference.ssm_state_update": 1}

@@ -842,6 +842,39 @@ def _():
     return out
 
 
+def _mixer_decode(mixer):
+    """core_v0.17+: the mixer's decode step (`_ssm_decode`, one token) on the backend's decode ops
+    against Megatron's own PyTorch fallback (its path when the Triton kernels are None), from the
+    same conv and SSM states."""
+    import sys
+
+    module = sys.modules["megatron.core.ssm.mamba_mixer"]
+    if getattr(module, "causal_conv1d_update", None) is None:
+        return None   # core_v0.15 - v0.16: Megatron's fallback is the only path
+    torch.manual_seed(6)
+    width = 2 * mixer.d_inner_local_tp + 2 * mixer.ngroups_local_tp * mixer.d_state + mixer.nheads_local_tp
+    conv_shape, ssm_shape = mixer.mamba_state_shapes_per_request()
+    zx = torch.randn(2, 1, width)
+    conv, ssm = torch.randn(2, *conv_shape), torch.randn(2, *ssm_shape)
+    ops = ("ssm_conv_update", "ssm_state_update")
+    before = {op: counted(op) for op in ops}
+    # the z gate in the state update, not the gated norm: Megatron's fallback squeezes z's sequence
+    # dim before its norm (a shape error there with rmsnorm on)
+    rmsnorm, mixer.rmsnorm = mixer.rmsnorm, False
+    with torch.no_grad():
+        ours = mixer._ssm_decode(zx, conv_ours := conv.clone(), ssm_ours := ssm.clone())
+        calls = {op: counted(op) - before[op] for op in ops}
+        saved = module.causal_conv1d_update, module.selective_state_update
+        module.causal_conv1d_update = module.selective_state_update = None
+        try:
+            megatrons = mixer._ssm_decode(zx, conv_ref := conv.clone(), ssm_ref := ssm.clone())
+        finally:
+            module.causal_conv1d_update, module.selective_state_update = saved
+            mixer.rmsnorm = rmsnorm
+    return {"calls": calls, "out": close(ours, megatrons, 1e-4), "conv_state": close(conv_ours, conv_ref, 1e-5),
+            "ssm_state": close(ssm_ours, ssm_ref, 1e-4), "state_changed": not torch.equal(ssm_ours, ssm)}
+
+
 @check("ssm")
 def _():
     """A Mamba + attention + MLP model built from Megatron's own Mamba / hybrid stack spec (TE's
@@ -877,8 +910,8 @@ def _():
     unfused, _ = mixer(h)
     return {"keys": keys, "calls": calls, "grads_ok": bool(grads_ok), "loss": float(loss),
             "fused_matches_unfused": close(fused, unfused, 1e-4),
-            "norm": type(mixer.norm).__name__, "in_proj": type(mixer.in_proj).__name__}
-
+            "norm": type(mixer.norm).__name__, "in_proj": type(mixer.in_proj).__name__,
+            "decode": _mixer_decode(mixer)}
 
 
 @check("context_parallel")

@@ -398,6 +398,15 @@ class TestSsm(PatchContract):
         assert res["in_proj"] == "AdaptLayerNormColumnParallelLinear" and res["norm"] == "ExtendedGatedRMSNorm", res
         assert res["calls"] == {"ssd_scan": 1, "causal_conv1d": 1, "rms_norm_gated": 1}, res["calls"]
         assert res["grads_ok"] and res["fused_matches_unfused"], res
+        from packaging.version import Version
+
+        from megatron_adapt.versions import megatron_core_version
+
+        if megatron_core_version() >= Version("0.17.0"):   # Megatron's own Triton decode kernels
+            assert res["decode"] == {"calls": {"ssm_conv_update": 1, "ssm_state_update": 1}, "out": True,
+                                     "conv_state": True, "ssm_state": True, "state_changed": True}, res
+        else:
+            assert res["decode"] is None, res
 
 
 class TestMoE(PatchContract):
