@@ -153,6 +153,13 @@ def test_imported_name_is_the_providers():
     assert TERowParallelLinear is TESpecProvider().row_parallel_linear()
 """
 
+TE_LIBRARY_MODULE = """
+from transformer_engine.pytorch.float8_tensor import Float8Tensor
+
+def test_checkpoints_te_tensors():
+    raise AssertionError("a module that cannot import never runs")
+"""
+
 
 def make_tree(root):
     files = {"tests/__init__.py": "", "tests/unit_tests/__init__.py": "",
@@ -162,7 +169,11 @@ def make_tree(root):
              "tests/unit_tests/models/test_gpt_model.py": TEST_MODULE,
              "tests/unit_tests/models/test_hybrid_model.py": TE_CLASSES_MODULE,
              "tests/unit_tests/models/mimo/__init__.py": "",
-             "tests/unit_tests/models/mimo/test_mimo_1f1b_schedule.py": TE_CLASSES_AT_IMPORT}
+             "tests/unit_tests/models/mimo/test_mimo_1f1b_schedule.py": TE_CLASSES_AT_IMPORT,
+             # imports TE's own library at module level: a [te] entry of the real skip table turns
+             # its import error into a skip
+             "tests/unit_tests/dist_checkpointing/__init__.py": "",
+             "tests/unit_tests/dist_checkpointing/test_fp8.py": TE_LIBRARY_MODULE}
     for rel, text in files.items():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -182,6 +193,8 @@ def run_pytest(root, *args, launcher=True, **env):
 
 def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
     make_tree(tmp_path)
+    # the same import in a module the skip table does not list stays a collection error
+    (tmp_path / "tests/unit_tests/dist_checkpointing/test_unlisted_te.py").write_text(TE_LIBRARY_MODULE)
     # A skip-table entry for one test of this tree, as the real table has for Megatron's files.
     table = tmp_path / "extra_skip.py"
     table.write_text(textwrap.dedent("""
@@ -190,12 +203,13 @@ def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
                               "exercises a TE module"))
     """))
     proc = run_pytest(tmp_path, "-p", "extra_skip", "-p", "megatron_adapt.apps.pytest_plugin",
+                      "--continue-on-collection-errors",
                       "--megatron-adapt-json", str(tmp_path / "out" / "rank{rank}.json"),
                       PYTHONPATH=str(tmp_path))
     assert proc.returncode == 1 and "1 failed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]  # the one meant to fail
     report = json.loads((tmp_path / "out" / "rank0.json").read_text())
     assert report["backend"] == "cpu" and report["world_size"] == 2
-    tests = {k.split("::", 1)[1]: v for k, v in report["tests"].items()}
+    tests = {k.split("::", 1)[1]: v for k, v in report["tests"].items() if "::" in k}
     for name in ("test_no_te_package_is_left_behind", "test_fp8_is_not_available", "test_download_refused",
                  "test_layouts[2-1]", "test_layouts[1-2]"):
         assert tests[name]["outcome"] == "passed", (name, tests[name])
@@ -219,6 +233,11 @@ def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
     assert tests["test_other_runtime_errors_stay_failures"]["outcome"] == "failed", tests
     skipped = tests["test_listed_in_the_skip_table"]
     assert skipped["outcome"] == "skipped" and skipped["reason"].startswith("[te] needs Transformer Engine"), skipped
+    te_library = report["tests"]["tests/unit_tests/dist_checkpointing/test_fp8.py"]
+    assert te_library["outcome"] == "skipped" and "Float8Tensor" in te_library["reason"], te_library
+    assert te_library["reason"].startswith("[te] needs Transformer Engine"), te_library
+    unlisted = report["tests"]["tests/unit_tests/dist_checkpointing/test_unlisted_te.py"]
+    assert unlisted["outcome"] == "error" and "transformer_engine" in unlisted["message"], unlisted
 
 
 def test_plugin_is_inert_unless_enabled(tmp_path):
@@ -258,7 +277,7 @@ def test_a_test_past_its_time_limit_fails_and_the_run_goes_on(tmp_path):
     proc = run_pytest(tmp_path, "-p", "megatron_adapt.apps.pytest_plugin", "--megatron-adapt-test-timeout", "3",
                       "--megatron-adapt-json", str(tmp_path / "out" / "rank{rank}.json"), "-k", "slow")
     report = json.loads((tmp_path / "out" / "rank0.json").read_text())
-    tests = {k.split("::", 1)[1]: v for k, v in report["tests"].items()}
+    tests = {k.split("::", 1)[1]: v for k, v in report["tests"].items() if "::" in k}
     assert tests["test_hangs"]["outcome"] == "failed", tests
     assert "ran past its time limit of 3 s" in tests["test_hangs"]["message"], tests["test_hangs"]
     assert tests["test_after"]["outcome"] == "passed" and report["finished"], tests
