@@ -319,6 +319,40 @@ def wgrad_accumulate(input, grad_output, main_grad):  # noqa: A002 (apex's argum
 
 
 # ----------------------------------------------------------------------------- optimizers
+class _FusedAdamState:
+    """torch.optim's Adam keeps a `step` in every parameter's state; apex's and TE's FusedAdam,
+    whose place these optimizers take, keep it in the param group. Megatron writes states the
+    FusedAdam way: its `init_state_fn` (sharded checkpoint loading) creates exp_avg / exp_avg_sq
+    only, and its optimizers save the common step only when it is non-zero. torch's Adam then
+    raised KeyError 'step' on load_state_dict and on the next step(). A state without `step`
+    takes its group's step (FusedAdam's), else 0: the count of a state created but never stepped."""
+
+    def __setstate__(self, state):
+        for group in state.get("param_groups", ()):
+            for p in group.get("params", ()):
+                p_state = state.get("state", {}).get(p)
+                if p_state and "step" not in p_state:
+                    p_state["step"] = float(group.get("step", 0))  # torch makes it a tensor
+        super().__setstate__(state)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p_state = self.state.get(p)
+                if p_state and "step" not in p_state:
+                    on_device = group.get("capturable") or group.get("fused")
+                    p_state["step"] = torch.tensor(
+                        float(group.get("step", 0)), dtype=torch.float32,
+                        device=p.device if on_device else "cpu")
+        return super().step(closure)
+
+
+_FUSED_STATE = {base: type(base.__name__, (_FusedAdamState, base), {"__module__": __name__,
+                                                                     "__doc__": _FusedAdamState.__doc__})
+                for base in (torch.optim.Adam, torch.optim.AdamW)}
+
+
 def make_adam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
               weight_decay=0.0, amsgrad=False, *, impl_flags, impl_name, capturable=False, **unsupported):
     """apex.optimizers.FusedAdam's constructor, returning the torch optimizer with the same math;
@@ -332,8 +366,9 @@ def make_adam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-
                         "(precision-aware optimizer options need Transformer Engine's FusedAdam)")
     if not bias_correction:
         raise ValueError("bias_correction=False is not supported by torch.optim Adam/AdamW")
-    cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
-    report.ran("adam", f"{impl_name}.{cls.__name__}")
+    base = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    cls = _FUSED_STATE[base]
+    report.ran("adam", f"{impl_name}.{base.__name__}")
     if lr is not None:
         return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                    capturable=capturable, **impl_flags)

@@ -54,6 +54,18 @@ def te_installed() -> bool:
     return bool(getattr(te_ext, "HAVE_TE", False))
 
 
+def served_without_te(name: str, obj, serves: str):
+    """A patch build that installs `obj` under a name Megatron asks Transformer Engine for (`name`,
+    used by `serves`), and steps aside when TE is installed: then TE's own object serves."""
+    def build(backend, original):
+        if te_installed():
+            from .spec import SkipPatch
+
+            raise SkipPatch(f"Transformer Engine is installed: its {name} serves {serves}")
+        return obj
+    return build
+
+
 def where(backend) -> str:
     return f"the {backend.name} backend"
 

@@ -320,23 +320,18 @@ class ThdIndices:
         return cp.thd_partitioned_indices(cu_seqlens_padded, total, cp_size, cp_rank)
 
 
-def _mimo_served(name, obj):
-    def build(backend, original):
-        if start_checks.te_installed():
-            raise SkipPatch(f"Transformer Engine is installed: MIMO's partition adapter uses its {name}")
-        return obj
-    return build
-
-
 MIMO_PARTITION = "megatron.core.models.mimo.partition.utils"
+MIMO_USE = "MIMO's partition adapter (THD split under CP)"
 # the adapter asks for TE 1.10 (thd_get_partitioned_indices) before a THD split under CP, and for
 # nothing else; ThdIndices serves that call
 serve_te_version(AREA, MIMO_PARTITION, "1.10.0")
 
 SPECS = [
-    PatchSpec(f"{MIMO_PARTITION}:tex", area=AREA, build=_mimo_served("tex", ThdIndices), create=True,
+    PatchSpec(f"{MIMO_PARTITION}:tex", area=AREA, create=True,
+              build=start_checks.served_without_te("tex", ThdIndices, MIMO_USE),
               check_signature=False, optional=True, versions=">=0.17.0,<0.20.0"),
-    PatchSpec(f"{MIMO_PARTITION}:_HAVE_TEX", area=AREA, build=_mimo_served("_HAVE_TEX", True),
+    PatchSpec(f"{MIMO_PARTITION}:_HAVE_TEX", area=AREA,
+              build=start_checks.served_without_te("_HAVE_TEX", True, MIMO_USE),
               check_signature=False, optional=True, versions=">=0.17.0,<0.20.0"),
     # 0.15 has no THD split under CP; 0.18 names 0.19's split get_sft_batch_on_this_cp_rank (same
     # arguments, the same body around tex.thd_get_partitioned_indices)

@@ -368,6 +368,7 @@ def build_eval_eager(backend, original):
         module, call_args, call_kwargs = args[0], args[1], args[2]
         if module.training or call_kwargs.get("inference_context"):
             return wrapped(*args, **kwargs)
+        report.ran("cuda_graph_layer_forward", "eager (eval mode: validation)")
         func = getattr(instance, "func", None)
         if func is not None:
             return func(*call_args, **call_kwargs)

@@ -430,15 +430,6 @@ def restore_fp8_tensors(modules, saved) -> None:
         s.updates.update(updates)
 
 
-def _served_without_te(name, obj, serves="Megatron's CUDA graphs"):
-    """A build that installs `obj` (a name Megatron asks TE for), skipped when TE is installed."""
-    def build(backend, original):
-        if start_checks.te_installed():
-            raise SkipPatch(f"Transformer Engine is installed: its {name} serves {serves}")
-        return obj
-    return build
-
-
 def build_quantization_context(backend, original):
     if start_checks.te_installed():
         raise SkipPatch("Transformer Engine is installed: Megatron asks its FP8GlobalStateManager")
@@ -496,7 +487,7 @@ class Fp8Unpadding(Fp8Padding):
 
 
 def _experts_name(name, obj):
-    return _served_without_te(name, obj, "Megatron's fp8 experts")
+    return start_checks.served_without_te(name, obj, "Megatron's fp8 experts")
 
 
 # TransformerConfig asks for TE 1.7 (experts with zero tokens) and 1.11 (grouped GEMM) before it
@@ -512,7 +503,8 @@ SPECS = [
     PatchSpec("megatron.core.fp8_utils:get_fp8_context", area="fp8", build=build_get_fp8_context),
     PatchSpec(f"{GRAPHS}:_CudaGraphRunner.get_quantization_context", area="fp8", mode=WRAP,
               build=build_quantization_context),
-] + [PatchSpec(f"{GRAPHS}:{name}", area="fp8", build=_served_without_te(name, obj), create=True)
+] + [PatchSpec(f"{GRAPHS}:{name}", area="fp8", create=True,
+               build=start_checks.served_without_te(name, obj, "Megatron's CUDA graphs"))
      for name, obj in (("FP8GlobalStateManager", Fp8GraphState), ("save_fp8_tensors", save_fp8_tensors),
                        ("restore_fp8_tensors", restore_fp8_tensors), ("te", te),
                        ("TransformerEngineBaseModule", _NotTransformerEngine))] + [

@@ -247,6 +247,35 @@ def test_adam_factory_matches_torch(adam_w_mode):
         Adam([p1], exp_avg_dtype=torch.bfloat16)
 
 
+def test_adam_takes_fused_adam_states_without_a_per_parameter_step():
+    """Megatron's init_state_fn (sharded checkpoint loading) writes FusedAdam-style states:
+    exp_avg / exp_avg_sq and no `step`. torch's Adam raised KeyError 'step' on load_state_dict and
+    on step(); ours takes the group's step (FusedAdam keeps it there), else 0."""
+    from megatron_adapt.backends.cpu.optimizers import Adam
+
+    p1 = torch.nn.Parameter(torch.randn(10))
+    p2 = torch.nn.Parameter(p1.detach().clone())
+    opt, ref = Adam([p1], lr=0.1, weight_decay=0.1), torch.optim.AdamW([p2], lr=0.1, weight_decay=0.1)
+    opt.state[p1]["exp_avg"], opt.state[p1]["exp_avg_sq"] = torch.zeros(10), torch.zeros(10)
+    for _ in range(2):          # a state created but never stepped counts from 0, as a fresh one
+        for p in (p1, p2):
+            p.grad = torch.ones(10) * 0.3
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(p1, p2)
+    assert float(opt.state[p1]["step"]) == 2.0
+    saved = opt.state_dict()
+    del saved["state"][0]["step"]
+    saved["param_groups"][0]["step"] = 7          # as TE's FusedAdam saves it
+    again = Adam([torch.nn.Parameter(p1.detach().clone())], lr=0.1)
+    again.load_state_dict(saved)
+    (state,) = again.state.values()
+    assert torch.is_tensor(state["step"]) and float(state["step"]) == 7.0
+    with pytest.raises(KeyError, match="step"):   # torch's own Adam, for contrast
+        plain = torch.optim.AdamW([torch.nn.Parameter(p1.detach().clone())], lr=0.1)
+        plain.load_state_dict(saved)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 3, 5), (37, 24, 40), (300, 17, 65)])
 def test_wgrad_accumulate_adds_the_weight_gradient_into_main_grad(dtype, shape):

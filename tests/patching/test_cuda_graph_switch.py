@@ -330,6 +330,8 @@ EVAL = textwrap.dedent("""
     layer.eval()
     print("EVAL", call(graphs, manager, (layer, (1,), {{}}), {{}}))
     print("INFERENCE", call(graphs, manager, (layer, (1,), {{"inference_context": object()}}), {{}}))
+    from megatron_adapt import report
+    print("COUNTS", report.op_counts().get("cuda_graph_layer_forward"))
 """)
 
 
@@ -341,6 +343,8 @@ def test_a_layer_in_eval_mode_runs_eager_under_graphs(python, func):
     proc = python(EVAL.format(func=func))
     eager = "eager func" if func != "None" else "eager"
     assert f"TRAIN graph\nEVAL {eager}\nINFERENCE graph" in proc.stdout, proc.stdout
+    # the report counts the eval-mode forwards that ran eager (training ones are Megatron's graphs)
+    assert "COUNTS {'eager (eval mode: validation)': 1}" in proc.stdout, proc.stdout
 
 
 def test_tensor_parallel_is_captured_pipeline_parallel_is_refused(python):
