@@ -324,16 +324,21 @@ class _FusedAdamState:
     whose place these optimizers take, keep it in the param group. Megatron writes states the
     FusedAdam way: its `init_state_fn` (sharded checkpoint loading) creates exp_avg / exp_avg_sq
     only, and its optimizers save the common step only when it is non-zero. torch's Adam then
-    raised KeyError 'step' on load_state_dict and on the next step(). A state without `step`
-    takes its group's step (FusedAdam's), else 0: the count of a state created but never stepped."""
+    raised KeyError 'step' on load_state_dict and on the next step(). Here a state loads as it
+    was saved (no `step` added: a loaded state equals the saved one), and step() gives a state
+    without `step` its group's step (FusedAdam's), else 0: the count of a state never stepped."""
 
     def __setstate__(self, state):
+        added = []
         for group in state.get("param_groups", ()):
             for p in group.get("params", ()):
                 p_state = state.get("state", {}).get(p)
                 if p_state and "step" not in p_state:
-                    p_state["step"] = float(group.get("step", 0))  # torch makes it a tensor
+                    p_state["step"] = torch.zeros(())    # only for torch's check of every state
+                    added.append(p_state)
         super().__setstate__(state)
+        for p_state in added:
+            del p_state["step"]
 
     @torch.no_grad()
     def step(self, closure=None):

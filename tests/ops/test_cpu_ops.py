@@ -270,7 +270,11 @@ def test_adam_takes_fused_adam_states_without_a_per_parameter_step():
     again = Adam([torch.nn.Parameter(p1.detach().clone())], lr=0.1)
     again.load_state_dict(saved)
     (state,) = again.state.values()
-    assert torch.is_tensor(state["step"]) and float(state["step"]) == 7.0
+    assert set(state) == {"exp_avg", "exp_avg_sq"}       # loaded as saved
+    (param,) = again.param_groups[0]["params"]
+    param.grad = torch.ones(10)
+    again.step()                                          # counts on from the group's step
+    assert torch.is_tensor(state["step"]) and float(state["step"]) == 8.0
     with pytest.raises(KeyError, match="step"):   # torch's own Adam, for contrast
         plain = torch.optim.AdamW([torch.nn.Parameter(p1.detach().clone())], lr=0.1)
         plain.load_state_dict(saved)
