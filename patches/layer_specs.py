@@ -19,9 +19,9 @@ state-dict keys of a TE-built one (`linear_qkv.layer_norm_weight`, ...):
 - norm fused into the column-parallel linear -> `AdaptLayerNormColumnParallelLinear` (the
   backend's norm op, then Megatron's ColumnParallelLinear);
 - linears -> Megatron's ColumnParallelLinear / RowParallelLinear (gradient-accumulation fusion
-  through patches/grad_accum_fusion), initializing their weights under TE's RNG rule
-  (`te_init_rng`); with config.fp8 set, subclasses that run fp8 GEMMs inside Megatron's fp8
-  context (patches/fp8);
+  through patches/grad_accum_fusion), with TE's RNG rule at weight initialization and its
+  sharded-state metadata default (`te_linear`); with config.fp8 set, subclasses that run fp8 GEMMs
+  inside Megatron's fp8 context (patches/fp8);
 - core attention -> Megatron's DotProductAttention taking TEDotProductAttention's k_channels /
   v_channels (multi-latent attention), whose forward patches/attention puts on the backend's fused
   attention op (this is what `--attention-backend auto` gets);
@@ -112,7 +112,7 @@ def _provider_class(backend):
     # (patches/fp8); with config.delay_wgrad_compute, it leaves its weight-gradient GEMM to
     # backward_dw() (patches/delayed_wgrad); otherwise it is Megatron's own class.
     def variant(base):
-        base = te_init_rng(base)
+        base = te_linear(base)
         return delayed_wgrad_variant(base, outer=fp8_variant(base, backend))
 
     norm_linear = variant(build_norm_linear_class(backend))
@@ -151,7 +151,7 @@ def _provider_class(backend):
     return AdaptSpecProvider
 
 
-_te_rng_classes: dict[type, type] = {}
+_te_linear_classes: dict[type, type] = {}
 
 
 def _no_fork(*args, **kwargs):
@@ -160,16 +160,23 @@ def _no_fork(*args, **kwargs):
     return contextlib.nullcontext()
 
 
-def te_init_rng(base):
-    """`base` (a Megatron linear class) initializing its weights on the GPU as TE's linears do.
+def te_linear(base):
+    """`base` (a Megatron linear class) behaving as TE's linears do where Megatron's own differ.
 
-    Megatron's `_initialize_affine_weight_gpu` always forks the model-parallel RNG tracker, which
-    raises when the tracker has no states. TE's linears are handed the tracker only if it was
-    initialized when they were built, and otherwise draw from the default generator; a model built
-    from the TE spec before `model_parallel_cuda_manual_seed` (MIMO's 1F1B test on core_v0.19) builds
-    under TE, so it builds here too. With an initialized tracker nothing changes."""
-    if base in _te_rng_classes:
-        return _te_rng_classes[base]
+    - Weights initialized on the device: Megatron's `_initialize_affine_weight_gpu` always forks
+      the model-parallel RNG tracker, which raises when the tracker has no states. TE's linears are
+      handed the tracker only if it was initialized when they were built, and otherwise draw from
+      the default generator; a model built from the TE spec before `model_parallel_cuda_manual_seed`
+      (MIMO's 1F1B test on core_v0.19) builds under TE, so it builds here too.
+    - Sharded state dicts: TE's linears fill a missing `dp_cp_group` in the metadata
+      (`ensure_metadata_has_dp_cp_group`, core_v0.16+); Megatron's read it and raise KeyError
+      (dist_checkpointing's test_mlp_glu passes metadata without it on core_v0.16.1).
+    With an initialized tracker and complete metadata nothing changes."""
+    if base in _te_linear_classes:
+        return _te_linear_classes[base]
+    from megatron.core.transformer import utils as transformer_utils
+
+    ensure_dp_cp_group = getattr(transformer_utils, "ensure_metadata_has_dp_cp_group", None)
 
     def __init__(self, *args, **kwargs):
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -184,9 +191,15 @@ def te_init_rng(base):
         finally:
             del tracker.fork
 
-    cls = type(base.__name__, (base,), {"__init__": __init__, "__doc__": base.__doc__,
-                                        "__module__": __name__, "__qualname__": base.__qualname__})
-    _te_rng_classes[base] = cls
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return base.sharded_state_dict(self, prefix, sharded_offsets, ensure_dp_cp_group(metadata))
+
+    namespace = {"__init__": __init__, "__doc__": base.__doc__, "__module__": __name__,
+                 "__qualname__": base.__qualname__}
+    if ensure_dp_cp_group is not None:
+        namespace["sharded_state_dict"] = sharded_state_dict
+    cls = type(base.__name__, (base,), namespace)
+    _te_linear_classes[base] = cls
     return cls
 
 
@@ -480,7 +493,7 @@ def build_gathered_norm_linear(backend, original):
     if key not in _built:
         from megatron.core.transformer.heterogeneous import linear_replacements
 
-        class AdaptLayerNormColumnParallelLinearGathered(te_init_rng(build_norm_linear_class(backend))):
+        class AdaptLayerNormColumnParallelLinearGathered(te_linear(build_norm_linear_class(backend))):
             def __init__(self, config, tp_comm_buffer_name=None, *args, **kwargs):
                 if getattr(config, "fp8", None):
                     from megatron_adapt.errors import UnsupportedFeatureError

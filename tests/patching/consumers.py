@@ -202,11 +202,11 @@ def _():
     fork the model-parallel RNG tracker only if it is initialized when they are built (TE hands its
     linears the tracker or None); Megatron's local ColumnParallelLinear forks it always (an
     uninitialized tracker raises)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.models.gpt.gpt_layer_specs import TESpecProvider
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    te_mlp = get_gpt_layer_with_transformer_engine_spec().submodules.mlp.submodules
-    local_mlp = get_gpt_layer_local_spec().submodules.mlp.submodules
+    te_fc1 = TESpecProvider().column_parallel_layer_norm_linear()   # the TE spec's linear_fc1
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=False)
     tracker = get_cuda_rng_tracker()
     kwargs = dict(config=config, init_method=config.init_method, bias=False, skip_bias_add=True,
@@ -225,11 +225,11 @@ def _():
         return {"cls": type(linear).__name__, "weight": linear.weight.detach().clone(),
                 "fork": "fork" in tracker.__dict__}
 
-    out = {"te_seeded": build(te_mlp.linear_fc1, True), "local_seeded": build(local_mlp.linear_fc1, True)}
+    out = {"te_seeded": build(te_fc1, True), "local_seeded": build(ColumnParallelLinear, True)}
     out["seeded_same"] = torch.equal(out["te_seeded"].pop("weight", None), out["local_seeded"].pop("weight", None))
     try:
-        out["te_unseeded"] = build(te_mlp.linear_fc1, False)
-        out["local_unseeded"] = build(local_mlp.linear_fc1, False)
+        out["te_unseeded"] = build(te_fc1, False)
+        out["local_unseeded"] = build(ColumnParallelLinear, False)
         torch.manual_seed(7)
         default = torch.empty(64, 32)
         config.init_method(default)
@@ -237,6 +237,33 @@ def _():
         out["unseeded_from_default_generator"] = unseeded is not None and torch.equal(unseeded.cpu().float(), default)
     finally:
         model_parallel_cuda_manual_seed(0)
+    return out
+
+
+@check("linear_sharded_metadata")
+def _():
+    """Sharded state dicts with metadata that names no dp_cp_group (dist_checkpointing's
+    test_mlp_glu on core_v0.16.1): TE's linears fill it (ensure_metadata_has_dp_cp_group), so the TE
+    spec's linears here do; Megatron's local ColumnParallelLinear reads it and raises KeyError."""
+    from megatron.core.models.gpt.gpt_layer_specs import TESpecProvider
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer import utils as transformer_utils
+
+    if not hasattr(transformer_utils, "ensure_metadata_has_dp_cp_group"):
+        return None   # core_v0.15: no dp_cp_group in sharded state dicts
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
+    kwargs = dict(config=config, init_method=config.init_method, bias=False, skip_bias_add=True,
+                  gather_output=False, is_expert=False)
+    out = {}
+    for name, cls in (("te", TESpecProvider().column_parallel_layer_norm_linear()),
+                      ("local", ColumnParallelLinear)):
+        linear = cls(32, 64, **kwargs)
+        metadata = {"singleton_local_shards": False}
+        try:
+            keys = sorted(linear.sharded_state_dict("fc1.", (), metadata))
+            out[name] = {"keys": keys, "filled": "dp_cp_group" in metadata}
+        except KeyError as exc:
+            out[name] = {"error": f"KeyError {exc}"}
     return out
 
 

@@ -124,6 +124,13 @@ class TestAttention(PatchContract):
         assert res["te_unseeded"] == {"fork": False, "cls": "AdaptDotProductAttention", "tracker_advanced": False}, res
         assert res["local_unseeded"]["error"] == "cuda rng state model-parallel-rng is not added", res
 
+    def test_linear_sharded_state_fills_dp_cp_group_as_te_does(self):
+        res = consumer("linear_sharded_metadata")
+        if res is None:
+            pytest.skip("core_v0.15 has no dp_cp_group in sharded state dicts")
+        assert res["te"]["filled"] and "fc1.weight" in res["te"]["keys"], res
+        assert res["local"] == {"error": "KeyError 'dp_cp_group'"}, res
+
     def test_linear_weight_init_follows_te_for_te_named_linears_and_megatron_for_local(self):
         res = consumer("linear_init_rng")
         assert res["te_seeded"] == {"cls": "AdaptLayerNormColumnParallelLinear", "fork": False}, res
