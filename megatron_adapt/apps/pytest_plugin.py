@@ -143,6 +143,10 @@ SKIPS: list[Skip] = [
          "weighted_bias_swiglu_impl (not patched) at atol 1e-3 / rtol 2e-2; the two round the "
          "backward differently (max |x.grad - fp64| over 20 seeds: ours 0.072, Megatron's "
          "unweighted 0.070, weighted 0.053); fp32 (input_dtype1) runs and passes", backends=NOT_GPU),
+    Skip(UT + "dist_checkpointing/test_fully_parallel.py::TestCrossRanksReads::test_full_dp_reads",
+         "ranks", "written for 8 ranks: expects rank 2 to save and read 'c' because ranks 0 and 1 "
+         "already hold 'a' and 'b'; with fewer than 3 ranks a lower rank takes 'c' and the exact "
+         "read sets differ (1 GPU: rank 0 reads {'a', 'c'})", needs_world=3),
     Skip(UT + "dist_checkpointing/test_fp8.py::*", "te",
          "saves and loads TE's own Float8Tensor (transformer_engine.pytorch.float8_tensor, imported "
          "at module level): a tensor class of TE's library. megatron-adapt's fp8 keeps bf16 / fp32 "
