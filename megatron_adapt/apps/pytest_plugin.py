@@ -147,6 +147,11 @@ SKIPS: list[Skip] = [
          "ranks", "written for 8 ranks: expects rank 2 to save and read 'c' because ranks 0 and 1 "
          "already hold 'a' and 'b'; with fewer than 3 ranks a lower rank takes 'c' and the exact "
          "read sets differ (1 GPU: rank 0 reads {'a', 'c'})", needs_world=3),
+    Skip(UT + "dist_checkpointing/models/test_mlp_glu.py::TestParallelMLPWithGLU::test_oom_is_handled",
+         "memory", "provokes a CUDA out-of-memory error on purpose (torch.cat of two tensors of 60 % "
+         "of the free device memory, expecting OutOfMemoryError); on the cpu backend device memory "
+         "is host memory shared by every rank, and the host's OOM killer ends a rank instead "
+         "(core_v0.16.1, 2 ranks: SIGKILL)", backends=("cpu",)),
     Skip(UT + "dist_checkpointing/test_fp8.py::*", "te",
          "saves and loads TE's own Float8Tensor (transformer_engine.pytorch.float8_tensor, imported "
          "at module level): a tensor class of TE's library. megatron-adapt's fp8 keeps bf16 / fp32 "
