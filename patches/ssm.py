@@ -177,15 +177,11 @@ def build_causal_conv1d_fn(backend, original):
     return causal_conv1d_fn
 
 
-GPU_DECODE = "Megatron's own Triton decode kernels (megatron/core/ssm/ops) serve on cuda"
-
-
 def build_conv_update(backend, original):
     """core_v0.17+: the mixer's decode step calls Megatron's own Triton `causal_conv1d_update`
     (imported unconditionally); on a backend without a CUDA device it is the backend's
-    ssm_conv_update op, with the same arguments and in-place state update."""
-    if backend.name == "cuda":
-        raise SkipPatch(GPU_DECODE)
+    ssm_conv_update op, with the same arguments and in-place state update (cpu and npu: on cuda
+    Megatron's kernel runs)."""
     update = backend.op("ssm_conv_update")
 
     def causal_conv1d_update(x, conv_state, weight, bias, silu_activation, conv_state_indices,
@@ -198,8 +194,6 @@ def build_conv_update(backend, original):
 
 def build_state_update(backend, original):
     """core_v0.17+: Megatron's own Triton `selective_state_update` (decode), as build_conv_update."""
-    if backend.name == "cuda":
-        raise SkipPatch(GPU_DECODE)
     update = backend.op("ssm_state_update")
 
     def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
@@ -421,8 +415,10 @@ SPECS = [
     PatchSpec(f"{MIXER}:causal_conv1d_fn", area="ssm", build=build_causal_conv1d_fn),
     PatchSpec(f"{MIXER}:RMSNormGated", area="ssm", build=build_rms_norm_gated_shared, check_signature=False),
     PatchSpec(f"{MIXER}:ExtendedRMSNorm", area="ssm", build=build_extended_rms_norm, check_signature=False),
-    PatchSpec(f"{MIXER}:causal_conv1d_update", area="ssm", build=build_conv_update, versions=">=0.17.0"),
-    PatchSpec(f"{MIXER}:selective_state_update", area="ssm", build=build_state_update, versions=">=0.17.0"),
+    PatchSpec(f"{MIXER}:causal_conv1d_update", area="ssm", build=build_conv_update, versions=">=0.17.0",
+              backends=("cpu", "npu")),
+    PatchSpec(f"{MIXER}:selective_state_update", area="ssm", build=build_state_update, versions=">=0.17.0",
+              backends=("cpu", "npu")),
     PatchSpec(f"{MIXER}:_check_mamba_sequence_packing_support", area="ssm",
               build=build_sequence_packing_check, versions=">=0.16.0,<0.20.0"),
     PatchSpec(f"{MIXER}:MAMBA_HAS_STATE_DTYPE", area="ssm", build=build_has_state_dtype,

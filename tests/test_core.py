@@ -450,8 +450,8 @@ def test_a_megatron_lm_checkout_of_another_release_line_is_named_as_a_mismatch(t
 def test_every_backend_serves_exactly_the_ops_of_the_contract():
     """Each backend's op table names exactly the ops of megatron_adapt.ops.OPS, none missing and
     none extra, and every entry loads. cuda alone leaves out the RNG state ops: Megatron's own
-    CUDA RNG serves them there (the rng patch applies on cpu and npu only), and rope_cos_sin:
-    Megatron's own Triton kernel serves MLA's fused RoPE there; cpu and npu leave out fp8_linear
+    CUDA RNG serves them there (the rng patch applies on cpu and npu only), rope_cos_sin and the
+    Mamba decode ops: Megatron's own Triton kernels serve MLA's fused RoPE and Mamba's decode there; cpu and npu leave out fp8_linear
     and fp8_grouped_gemm (their fp8_unavailable op says why)."""
     import importlib
 
@@ -460,7 +460,8 @@ def test_every_backend_serves_exactly_the_ops_of_the_contract():
     from megatron_adapt.patches import rng
 
     rng_ops = {"rng_get_state", "rng_set_state"}
-    left_out = {"cuda": rng_ops | {"rope_cos_sin"},   # Megatron's own Triton MLA RoPE serves on cuda
+    # Megatron's own Triton kernels serve MLA's RoPE and Mamba's decode steps on cuda
+    left_out = {"cuda": rng_ops | {"rope_cos_sin", "ssm_conv_update", "ssm_state_update"},
                 "cpu": {"fp8_linear", "fp8_grouped_gemm"}, "npu": {"fp8_linear", "fp8_grouped_gemm"}}
     for name in NAMES:
         backend = importlib.import_module(f"megatron_adapt.backends.{name}").BACKEND

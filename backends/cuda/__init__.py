@@ -14,9 +14,11 @@ def check():
 
 
 # Every op has a kernel here; Megatron's own CUDA RNG needs no rng ops, and Megatron's own Triton
-# kernel serves multi-latent attention's fused YaRN RoPE (rope_cos_sin).
+# kernels serve multi-latent attention's fused YaRN RoPE (rope_cos_sin) and Mamba's decode steps
+# (ssm_conv_update / ssm_state_update, core_v0.17+).
+MEGATRONS_OWN = {"rope_cos_sin", "ssm_conv_update", "ssm_state_update"}
 OPS = {op: path for op, path in STANDARD_LAYOUT.items()
-       if not op.startswith("rng_") and op != "rope_cos_sin"}
+       if not op.startswith("rng_") and op not in MEGATRONS_OWN}
 
 BACKEND = Backend(name="cuda", ops=OPS, package=__name__, check=check,
                   describe=lambda: "Triton and PyTorch fused kernels on NVIDIA GPUs")

@@ -681,19 +681,3 @@ def rms_norm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gat
     return _GatedRMSNorm.apply(x, weight, z, float(eps), group_size, norm_before_gate)
 
 
-
-# The decode steps: on cuda Megatron's own Triton kernels (megatron/core/ssm/ops, core_v0.17+) serve
-# them and patches/ssm leaves them in place; this backend has no kernel of its own for them.
-NO_DECODE_KERNEL = "no cuda kernel of megatron-adapt's own: Megatron's Triton decode kernels serve on cuda"
-
-
-def ssm_conv_update(x, conv_state, weight, bias, silu, conv_state_indices=None,
-                    intermediate_conv_states=None):
-    return fallback("ssm_conv_update", NO_DECODE_KERNEL, x, conv_state, weight, bias, silu,
-                    conv_state_indices, intermediate_conv_states)
-
-
-def ssm_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
-                     state_batch_indices=None, intermediate_ssm_states=None):
-    return fallback("ssm_state_update", NO_DECODE_KERNEL, state, x, dt, A, B, C, D, z, dt_bias,
-                    dt_softplus, state_batch_indices, intermediate_ssm_states)
