@@ -11,6 +11,10 @@ The wrapper gives that one call a step to read: while the inner state is empty i
 single `{"step": 0}` entry, so Megatron's own state_dict() runs unchanged (the "state" key is not
 part of what it returns). The template's step is a placeholder: `load_state_dict` takes the
 step from the checkpoint. With the state populated (after a step or a load) nothing changes.
+
+States written the FusedAdam way (exp_avg / exp_avg_sq and no step: Megatron's `init_state_fn`
+for sharded loading, which the backends' Adam keeps as they are, see backends/reference.make_adam)
+get the same treatment for the call: the step the other states hold, else the group's, else 0.
 """
 import sys
 
@@ -29,8 +33,10 @@ def build_state_dict(backend, original):
     def state_dict(self):
         inner = getattr(self, "optimizer", None)
         state = getattr(inner, "state", None)
-        if inner is None or state is None or len(state) > 0 or getattr(self, "is_stub_optimizer", False):
+        if inner is None or state is None or getattr(self, "is_stub_optimizer", False):
             return original(self)
+        if len(state) > 0:
+            return _with_steps(original, self, inner, state)
         params = [p for group in inner.param_groups for p in group["params"]]
         if not params:
             return original(self)
@@ -41,6 +47,22 @@ def build_state_dict(backend, original):
             state.pop(params[0], None)
     state_dict.__doc__ = original.__doc__
     return state_dict
+
+
+def _with_steps(original, self, inner, state):
+    missing = [s for s in state.values() if s and "step" not in s]
+    if not missing:
+        return original(self)
+    known = [s["step"] for s in state.values() if "step" in s]
+    group_steps = [g["step"] for g in inner.param_groups if "step" in g]
+    step = known[0] if known else torch.tensor(float(group_steps[0] if group_steps else 0))
+    for s in missing:
+        s["step"] = step
+    try:
+        return original(self)
+    finally:
+        for s in missing:
+            s.pop("step", None)
 
 
 SPECS = [

@@ -412,8 +412,22 @@ def _():
     except AssertionError:
         original_fails = True
     template = dist_opt.state_dict()  # what Megatron builds on --load before reading the checkpoint
-    return {"original_fails_on_fresh_optimizer": original_fails, "ours_returns_template": isinstance(template, dict),
-            "inner_state_untouched": len(dist_opt.optimizer.state) == 0}
+    out = {"original_fails_on_fresh_optimizer": original_fails, "ours_returns_template": isinstance(template, dict),
+           "inner_state_untouched": len(dist_opt.optimizer.state) == 0}
+    # FusedAdam-style states (Megatron's init_state_fn before a sharded load: no per-parameter step)
+    inner = dist_opt.optimizer
+    for group in inner.param_groups:
+        for p in group["params"]:
+            inner.state[p]["exp_avg"], inner.state[p]["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+    try:
+        original("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict")(dist_opt)
+        out["original_fails_without_steps"] = False
+    except KeyError:
+        out["original_fails_without_steps"] = True
+    steps = [g.get("step") for g in dist_opt.state_dict()["optimizer"]["param_groups"]]
+    out["fused_style_steps"] = sorted(set(float(s) for s in steps))
+    out["fused_style_untouched"] = all("step" not in s for s in inner.state.values())
+    return out
 
 
 @check("multi_tensor")

@@ -200,7 +200,11 @@ class TestCheckpointing(PatchContract):
     def test_fresh_distributed_optimizer_yields_a_load_template(self):
         res = consumer("checkpointing")
         assert res == {"original_fails_on_fresh_optimizer": True, "ours_returns_template": True,
-                       "inner_state_untouched": True}, res
+                       "inner_state_untouched": True,
+                       # states without a per-parameter step (Megatron's init_state_fn): step 0,
+                       # the states left as they were
+                       "original_fails_without_steps": True, "fused_style_steps": [0.0],
+                       "fused_style_untouched": True}, res
 
 
 HARDEN_CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_hardening_check.py")
