@@ -15,6 +15,10 @@ step from the checkpoint. With the state populated (after a step or a load) noth
 States written the FusedAdam way (exp_avg / exp_avg_sq and no step: Megatron's `init_state_fn`
 for sharded loading, which the backends' Adam keeps as they are, see backends/reference.make_adam)
 get the same treatment for the call: the step the other states hold, else the group's, else 0.
+
+Loading the reshardable formats, Megatron drops "step" from the loaded tensors and sets it from the
+param groups; `_set_main_param_and_optimizer_states` then asks for every tensor of the live state,
+torch's step included. The live step is kept (build_set_states).
 """
 import sys
 
@@ -49,6 +53,27 @@ def build_state_dict(backend, original):
     return state_dict
 
 
+def build_set_states(backend, original):
+    """Megatron's loaders of the reshardable formats drop "step" from the loaded tensors ("Handle
+    torch Adam 'step' state separately": load_state_dict sets it from the param groups), then
+    `_set_main_param_and_optimizer_states` copies into every tensor of the live state, torch's
+    per-parameter step included: KeyError 'step'. The live step, which load_state_dict set, is
+    kept (copied onto itself)."""
+    if getattr(sys.modules[MODULE], "HAVE_APEX_OR_TE", True):
+        raise SkipPatch("Transformer Engine / apex optimizer: no per-parameter step")
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state.get(main_param, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                tensors = {**tensors, "step": step}
+        return original(self, model_param, tensors)
+    _set_main_param_and_optimizer_states.__doc__ = original.__doc__
+    return _set_main_param_and_optimizer_states
+
+
 def _with_steps(original, self, inner, state):
     missing = [s for s in state.values() if s and "step" not in s]
     if not missing:
@@ -70,4 +95,6 @@ SPECS = [
     # wrapper installed on a class (class attribute access returns a bound wrapper).
     PatchSpec(f"{MODULE}:DistributedOptimizer.state_dict", area="checkpointing",
               build=build_state_dict),
+    PatchSpec(f"{MODULE}:DistributedOptimizer._set_main_param_and_optimizer_states", area="checkpointing",
+              build=build_set_states),
 ]

@@ -427,6 +427,27 @@ def _():
     steps = [g.get("step") for g in dist_opt.state_dict()["optimizer"]["param_groups"]]
     out["fused_style_steps"] = sorted(set(float(s) for s in steps))
     out["fused_style_untouched"] = all("step" not in s for s in inner.state.values())
+    # a loader of the reshardable formats hands over exp_avg / exp_avg_sq without "step" (Megatron
+    # sets the step from the param groups): the live torch step is kept, the moments copied
+    dist = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else dist_opt
+    inner = dist.optimizer
+    model_param = next(iter(dist.model_param_group_index_map))
+    group_index, group_order = dist.model_param_group_index_map[model_param]
+    main_param = inner.param_groups[group_index]["params"][group_order]
+    inner.state[main_param]["step"] = torch.tensor(5.0)
+    loaded = {"param": main_param.detach() + 1, "exp_avg": torch.full_like(main_param, 2.0),
+              "exp_avg_sq": torch.full_like(main_param, 3.0)}
+    target = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states"
+    with torch.no_grad():     # as Megatron's loaders call it
+        try:
+            original(target)(dist, model_param, loaded)
+            out["original_set_fails_without_step"] = False
+        except KeyError:
+            out["original_set_fails_without_step"] = True
+        dist._set_main_param_and_optimizer_states(model_param, loaded)
+    live = inner.state[main_param]
+    out["set_keeps_step"] = float(live["step"]) == 5.0
+    out["set_copies_moments"] = bool((live["exp_avg"] == 2).all() and (live["exp_avg_sq"] == 3).all())
     return out
 
 

@@ -204,7 +204,10 @@ class TestCheckpointing(PatchContract):
                        # states without a per-parameter step (Megatron's init_state_fn): step 0,
                        # the states left as they were
                        "original_fails_without_steps": True, "fused_style_steps": [0.0],
-                       "fused_style_untouched": True}, res
+                       "fused_style_untouched": True,
+                       # loaded tensors without "step" (Megatron drops it): the live step is kept
+                       "original_set_fails_without_step": True, "set_keeps_step": True,
+                       "set_copies_moments": True}, res
 
 
 HARDEN_CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_hardening_check.py")
