@@ -250,7 +250,7 @@ def _():
     from megatron.core.transformer import utils as transformer_utils
 
     if not hasattr(transformer_utils, "ensure_metadata_has_dp_cp_group"):
-        return None   # core_v0.15: no dp_cp_group in sharded state dicts
+        return {"no_dp_cp_group": True}   # core_v0.15: no dp_cp_group in sharded state dicts
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
     kwargs = dict(config=config, init_method=config.init_method, bias=False, skip_bias_add=True,
                   gather_output=False, is_expert=False)
