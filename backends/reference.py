@@ -694,6 +694,15 @@ def rms_norm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gat
     return y.to(x.dtype)
 
 
+def _cache_slots(batch, indices, device):
+    """(valid rows mask [batch], their cache slots): row i uses slot indices[i] (row i without
+    indices); a negative slot marks a padding row."""
+    idx = (torch.arange(batch, device=device) if indices is None
+           else indices.reshape(-1).to(device=device, dtype=torch.long))
+    valid = idx >= 0
+    return valid, idx[valid]
+
+
 def ssm_conv_update(x, conv_state, weight, bias, silu, conv_state_indices=None,
                     intermediate_conv_states=None):
     """One decode step (or a few: speculative tokens) of the causal conv over a conv-state cache.
@@ -708,10 +717,7 @@ def ssm_conv_update(x, conv_state, weight, bias, silu, conv_state_indices=None,
         x = x.unsqueeze(1)
     b, s, _ = x.shape
     w, length = weight.size(-1), conv_state.size(-1)
-    idx = (torch.arange(b, device=x.device) if conv_state_indices is None
-           else conv_state_indices.to(device=x.device, dtype=torch.long))
-    valid = idx >= 0
-    rows = idx[valid]
+    valid, rows = _cache_slots(b, conv_state_indices, x.device)
     out = torch.zeros_like(x)
     wf = weight.float()
     for t in range(s):
@@ -762,10 +768,7 @@ def ssm_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_sof
         inter = inter.unsqueeze(2)
     b, s, h, _ = x.shape
     ratio = h // B.size(-2)
-    idx = (torch.arange(b, device=x.device) if state_batch_indices is None
-           else state_batch_indices.reshape(-1).to(device=x.device, dtype=torch.long))
-    valid = idx >= 0
-    rows = idx[valid]
+    valid, rows = _cache_slots(b, state_batch_indices, x.device)
     out = torch.zeros_like(x)
     hstate = state[rows].float()                                                   # [n, h, p, N]
     for t in range(s):

@@ -20,6 +20,7 @@ Loading the reshardable formats, Megatron drops "step" from the loaded tensors a
 param groups; `_set_main_param_and_optimizer_states` then asks for every tensor of the live state,
 torch's step included. The live step is kept (build_set_states).
 """
+import contextlib
 import sys
 
 import torch
@@ -39,16 +40,8 @@ def build_state_dict(backend, original):
         state = getattr(inner, "state", None)
         if inner is None or state is None or getattr(self, "is_stub_optimizer", False):
             return original(self)
-        if len(state) > 0:
-            return _with_steps(original, self, inner, state)
-        params = [p for group in inner.param_groups for p in group["params"]]
-        if not params:
+        with _temporary_steps(inner, state):
             return original(self)
-        state[params[0]] = {"step": torch.tensor(0.0)}
-        try:
-            return original(self)
-        finally:
-            state.pop(params[0], None)
     state_dict.__doc__ = original.__doc__
     return state_dict
 
@@ -74,19 +67,30 @@ def build_set_states(backend, original):
     return _set_main_param_and_optimizer_states
 
 
-def _with_steps(original, self, inner, state):
-    missing = [s for s in state.values() if s and "step" not in s]
-    if not missing:
-        return original(self)
-    known = [s["step"] for s in state.values() if "step" in s]
-    group_steps = [g["step"] for g in inner.param_groups if "step" in g]
-    step = known[0] if known else torch.tensor(float(group_steps[0] if group_steps else 0))
-    for s in missing:
-        s["step"] = step
+@contextlib.contextmanager
+def _temporary_steps(inner, state):
+    """While Megatron's state_dict reads them: a `{"step": 0}` entry for the first parameter when
+    the state is empty, and a step for each state without one (the step another state holds, else
+    the group's, else 0). All removed afterwards."""
+    if len(state) == 0:
+        first = next((p for group in inner.param_groups for p in group["params"]), None)
+        targets = [] if first is None else [state.setdefault(first, {})]
+        created = first
+    else:
+        targets = [s for s in state.values() if s and "step" not in s]
+        created = None
+    if targets:
+        known = [s["step"] for s in state.values() if "step" in s]
+        group_steps = [g["step"] for g in inner.param_groups if "step" in g]
+        step = known[0] if known else torch.tensor(float(group_steps[0] if group_steps else 0))
+        for s in targets:
+            s["step"] = step
     try:
-        return original(self)
+        yield
     finally:
-        for s in missing:
+        if created is not None:
+            state.pop(created, None)
+        for s in targets:
             s.pop("step", None)
 
 

@@ -227,15 +227,15 @@ def run(cfg: RunConfig) -> list[dict]:
     (its traceback is on stderr above). The rendezvous port is picked free and then released, so
     another process can take it before rank 0 binds it; that run is started again on a new port,
     up to PORT_TRIES times."""
-    for attempt in range(1, PORT_TRIES + 1):
+    for attempt in range(1, PORT_TRIES):
         try:
             return _run_on(cfg, _free_port())
         except RuntimeError as exc:
-            if "EADDRINUSE" not in str(exc) or attempt == PORT_TRIES:
+            if "EADDRINUSE" not in str(exc):
                 raise
             print(f"megatron-adapt demo: the rendezvous port was taken before rank 0 bound it; "
                   f"starting again on another port ({attempt}/{PORT_TRIES - 1})", file=sys.stderr)
-    raise AssertionError("unreachable")
+    return _run_on(cfg, _free_port())
 
 
 def _run_on(cfg: RunConfig, port: int) -> list[dict]:
