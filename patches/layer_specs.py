@@ -541,6 +541,32 @@ def build_t5_masks(backend, original):
     return te_layout
 
 
+def _is_class(t) -> bool:
+    return isinstance(t, type) and not t.__module__.startswith("unittest.mock")
+
+
+def build_activation_types(backend, original):
+    """megatron.training.activation_logging (core_v0.19) hooks every module whose type is in
+    LINEAR_TYPES, which appends the TE classes its import finds. Without TE those names are
+    Megatron's MagicMock stand-ins (TENorm a MagicMock instance): isinstance raises TypeError as soon
+    as activation logging starts. Keep the real classes and add the ones megatron-adapt builds under
+    those TE names (TE_NAMES), which a model from the TE spec is made of."""
+    _require_no_te(None)
+    provider = build_provider(backend, None)()
+    served = tuple(TE_NAMES[n](provider) for n in TE_NAMES if n != "TEDotProductAttention")
+    kept = tuple(t for t in original if _is_class(t))
+    return kept + tuple(t for t in served if _is_class(t) and t not in kept)
+
+
+def build_grouped_activation_types(backend, original):
+    """Its tokens-per-expert capture hooks TE's grouped linears (_GROUPED_LINEAR_TYPES, empty without
+    TE): the backend's grouped linears, which TE's spec names build here (patches/moe)."""
+    _require_no_te(None)
+    from megatron_adapt.patches.moe import grouped_linear_classes
+
+    return tuple(t for t in original if _is_class(t)) + tuple(grouped_linear_classes(backend))
+
+
 def _te_name_specs(module, names, optional=False, versions=None):
     """create: core 0.15 leaves the names undefined without TE (later releases set them to None).
     optional: the module is not in every release; versions: the releases that have it."""
@@ -605,4 +631,10 @@ SPECS = [
               area="layer_specs", mode=WRAP, build=build_t5_masks),
     PatchSpec("megatron.core.models.bert.bert_layer_specs:HAVE_TE", area="layer_specs", build=build_have_te,
               check_signature=False),
+    # Activation logging (core_v0.19, megatron.training): the module types it hooks.
+    PatchSpec("megatron.training.activation_logging:LINEAR_TYPES", area="layer_specs",
+              build=build_activation_types, check_signature=False, optional=True, versions=">=0.19.0,<0.20.0"),
+    PatchSpec("megatron.training.activation_logging:_GROUPED_LINEAR_TYPES", area="layer_specs",
+              build=build_grouped_activation_types, check_signature=False, optional=True,
+              versions=">=0.19.0,<0.20.0"),
 ]

@@ -14,6 +14,10 @@ Megatron-LM's `set_global_variables` (right after argument validation) and from
   local spec builder for MLA (`get_gpt_layer_local_spec(multi_latent_attention=True)`).
 * `--moe-latent-size`: Megatron's MoELayer builds its latent projections from TE's TELinear only
   (`assert HAVE_TE` at model build, 0.16 - 0.19).
+* `--optimizer-cpu-offload` on cpu and npu: Megatron's HybridDeviceOptimizer picks what to offload
+  with `param.is_cuda` and then looks every host-side parameter up in its map of offloaded copies:
+  with host parameters (cpu) or NPU parameters (npu) that is a KeyError in the first step. Refused
+  at start, and where a megatron-core user builds the optimizer.
 
 Model families whose layer specs name TE's classes directly (T5, BERT, LLaVA / ViT, heterogeneous
 layers) are served, not refused: patches/layer_specs binds those names to the provider's modules.
@@ -85,15 +89,29 @@ def moe_latent_refusal(backend, s: dict) -> str | None:
     return None
 
 
+OPTIMIZER_OFFLOAD_WHY = ("Megatron's HybridDeviceOptimizer offloads the parameters for which param.is_cuda "
+                         "holds and then looks every other parameter up among its offloaded copies "
+                         "(a KeyError in the first step): on the cpu backend the parameters are host "
+                         "tensors already, on npu they are NPU tensors it never offloads")
+
+
+def optimizer_offload_refusal(backend, s: dict) -> str | None:
+    if s.get("optimizer_cpu_offload") and backend.name in ("cpu", "npu"):
+        return (f"--optimizer-cpu-offload: {where(backend)} cannot run it: {OPTIMIZER_OFFLOAD_WHY}. "
+                f"Train without --optimizer-cpu-offload.")
+    return None
+
+
 def _settings_of(config) -> dict:
     names = ("delay_wgrad_compute", "fp8", "fp4", "cuda_graph_impl", "multi_latent_attention", "transformer_impl",
-             "moe_latent_size")
+             "moe_latent_size", "optimizer_cpu_offload")
     return {n: getattr(config, n, None) for n in names}
 
 
 for _name, _check in (("delay_wgrad", wgrad_refusal),
                       ("mla_local", mla_local_refusal),
-                      ("moe_latent", moe_latent_refusal)):
+                      ("moe_latent", moe_latent_refusal),
+                      ("optimizer_offload", optimizer_offload_refusal)):
     start_checks.register(
         AREA, _name, from_args=_check,
         from_config=lambda backend, config, _check=_check: _check(backend, _settings_of(config)))
@@ -126,6 +144,13 @@ def _bound(signature, args, kwargs) -> dict:
     return bound.arguments
 
 
+def build_hybrid_optimizer_refusal(backend, original):
+    def __init__(wrapped, instance, args, kwargs):
+        start_checks.refuse(f"HybridDeviceOptimizer (--optimizer-cpu-offload): {where(backend)} cannot "
+                            f"run it: {OPTIMIZER_OFFLOAD_WHY}.")
+    return __init__
+
+
 GPT_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
 
 SPECS = [
@@ -141,4 +166,7 @@ SPECS = [
     PatchSpec(f"{GPT_SPECS}:get_gpt_layer_local_submodules", area=AREA, mode=WRAP, versions=">=0.17.0,<0.20.0",
               build=_spec_refusal("get_gpt_layer_local_submodules(multi_latent_attention=True)", MLA_LOCAL_WHY,
                                   when="multi_latent_attention")),
+    PatchSpec("megatron.core.optimizer.cpu_offloading.hybrid_optimizer:HybridDeviceOptimizer.__init__",
+              area=AREA, mode=WRAP, backends=("cpu", "npu"),
+              build=build_hybrid_optimizer_refusal),
 ]

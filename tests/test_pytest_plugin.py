@@ -104,6 +104,16 @@ def test_faked_layout(tp, pp):
     # Megatron's layout tests fake the ranks (fake_initialize_model_parallel): one process serves
     Utils.fake_initialize_model_parallel(tp, pp)
 
+class TestSetUpOnce:
+    # Megatron's TestDynamicContext: the parallel state is set up once for the class; a test tears
+    # it down for a bigger layout (Utils.initialize_model_parallel destroys first)
+    def test_asks_for_more_ranks(self):
+        Utils.calls.append("destroyed")
+        Utils.initialize_model_parallel(1, 4)
+
+    def test_next_finds_a_parallel_state(self):
+        assert Utils.calls[-1] == (1, 1, {}), Utils.calls[-3:]
+
 def test_listed_in_the_skip_table():
     raise AssertionError("the skip table should have skipped this")
 
@@ -221,6 +231,8 @@ def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
     param_skip = tests["test_baseline_first[1-4]"]
     assert param_skip["outcome"] == "skipped" and "parametrised TP1 x PP1 x CP4" in param_skip["reason"], param_skip
     assert tests["test_faked_layout[1-4]"]["outcome"] == "passed", tests
+    assert tests["TestSetUpOnce::test_asks_for_more_ranks"]["outcome"] == "skipped", tests
+    assert tests["TestSetUpOnce::test_next_finds_a_parallel_state"]["outcome"] == "passed", tests
     assert tests["test_layout_parsing[8]"]["outcome"] == "passed", tests
     te_classes = {k: v for k, v in report["tests"].items() if "test_hybrid_model.py" in k}
     assert len(te_classes) == 2 and all(v["outcome"] == "passed" for v in te_classes.values()), te_classes
@@ -282,3 +294,27 @@ def test_a_test_past_its_time_limit_fails_and_the_run_goes_on(tmp_path):
     assert "ran past its time limit of 3 s" in tests["test_hangs"]["message"], tests["test_hangs"]
     assert tests["test_after"]["outcome"] == "passed" and report["finished"], tests
     assert proc.returncode == 1, proc.stdout[-3000:]
+
+
+def test_deselected_tests_are_recorded(tmp_path):
+    """scripts/megatron_unit_tests.py passes Megatron CI's own selection (-m "not flaky_in_dev"); the
+    tests it leaves out are listed in the JSON, not silently absent."""
+    make_tree(tmp_path)
+    (tmp_path / "tests" / "unit_tests" / "test_marked.py").write_text(textwrap.dedent("""
+        import pytest
+
+        @pytest.mark.flaky_in_dev
+        def test_flaky_in_dev():
+            raise AssertionError("deselected, never run")
+
+        def test_runs():
+            pass
+    """))
+    proc = run_pytest(tmp_path, "-p", "megatron_adapt.apps.pytest_plugin", "-m", "not flaky_in_dev",
+                      "-W", "ignore::pytest.PytestUnknownMarkWarning",
+                      "--megatron-adapt-json", str(tmp_path / "out" / "rank{rank}.json"), "-k", "marked")
+    report = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    marked = [n for n in report["deselected"] if "test_marked.py" in n]   # (-k deselects the rest)
+    assert marked == ["tests/unit_tests/test_marked.py::test_flaky_in_dev"], report["deselected"]
+    assert report["markexpr"] == "not flaky_in_dev", report
+    assert report["tests"]["tests/unit_tests/test_marked.py::test_runs"]["outcome"] == "passed", proc.stdout[-2000:]

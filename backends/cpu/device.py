@@ -195,6 +195,28 @@ CUDA_API = {
     "seed": lambda: torch.random.default_generator.seed(),
     "initial_seed": lambda: torch.random.default_generator.initial_seed(),
 }
+_GENERATOR = torch._C.Generator
+
+
+class _GeneratorType(type(_GENERATOR)):
+    """isinstance / issubclass answer for every torch generator, not only those made here."""
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, _GENERATOR)
+
+    def __subclasscheck__(cls, sub):
+        return issubclass(sub, _GENERATOR)
+
+
+class Generator(_GENERATOR, metaclass=_GeneratorType):
+    """`torch.Generator(device=torch.cuda.current_device())` (Megatron's inference sampling RNG):
+    a C constructor no TorchFunctionMode sees, so the CUDA device is mapped to the CPU here. What it
+    returns is torch's own generator."""
+
+    def __new__(cls, device="cpu"):
+        return _GENERATOR(_CPU if _is_cuda(device) else device)
+
+
 NVTX_API = {"range_push": _returns(0), "range_pop": _returns(0), "mark": _returns(None)}
 
 
@@ -372,6 +394,7 @@ def install() -> None:
         _set(torch.cuda, name, fn)
     for name, fn in NVTX_API.items():
         _set(torch.cuda.nvtx, name, fn)
+    _set(torch, "Generator", Generator)
     if dist.is_available():
         from torch.distributed import distributed_c10d
 

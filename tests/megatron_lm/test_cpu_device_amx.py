@@ -61,3 +61,28 @@ def test_device_count_is_the_local_world_size():
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert f"count {expected}" in proc.stdout and "reverted True" in proc.stdout, proc.stdout
+
+
+def test_generator_on_the_accelerator_is_a_cpu_generator():
+    """Megatron's inference sampling RNG is `torch.Generator(device=torch.cuda.current_device())`;
+    on the cpu backend it is a CPU generator that draws like one, and every torch generator still
+    passes isinstance(x, torch.Generator). revert gives torch's own class back."""
+    import os
+
+    code = ("import torch, megatron_adapt\n"
+            "stock = torch.Generator\n"
+            "megatron_adapt.apply('cpu')\n"
+            "g = torch.Generator(device=torch.cuda.current_device()); g.manual_seed(3)\n"
+            "h = torch.Generator(); h.manual_seed(3)\n"
+            "print('device', g.device, torch.Generator(device='cuda:0').device)\n"
+            "print('same', torch.equal(torch.rand(4, generator=g), torch.rand(4, generator=h)))\n"
+            "print('isinstance', isinstance(torch.default_generator, torch.Generator), isinstance(g, torch.Generator))\n"
+            "megatron_adapt.revert()\n"
+            "print('reverted', torch.Generator is stock)\n")
+    env = {**os.environ, "MEGATRON_ADAPT_AUTO": "0", "MEGATRON_ADAPT_QUIET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "device cpu cpu" in proc.stdout
+    assert "same True" in proc.stdout
+    assert "isinstance True True" in proc.stdout
+    assert "reverted True" in proc.stdout

@@ -114,6 +114,11 @@ def specs():
     outcome("bert_te", bert_layer_specs.get_bert_layer_with_transformer_engine_spec)
     outcome("bert_te_attribute", lambda: bert_layer_specs.bert_layer_with_transformer_engine_spec)
     outcome("bert_local", lambda: bert_layer_specs.bert_layer_local_spec)
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    outcome("hybrid_device_optimizer", lambda: HybridDeviceOptimizer(
+        [torch.nn.Parameter(torch.ones(4))], offload_fraction=1.0, cpu_optimizer_cls=torch.optim.Adam,
+        gpu_optimizer_cls=torch.optim.Adam))
     with tempfile.TemporaryDirectory() as tmp:
         _init()
         config = hetero_config(tmp)

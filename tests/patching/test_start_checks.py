@@ -76,6 +76,13 @@ class TestLayerSpecs:
         res = worker("specs")
         assert res["t5_model_relative"] == res["t5_model_learned_absolute"] == "built", res
 
+    def test_hybrid_device_optimizer_refused_on_cpu(self):
+        """megatron-core users who build Megatron's CPU-offloading optimizer themselves: refused at
+        construction on cpu, not a KeyError in the first step."""
+        got = worker("specs")["hybrid_device_optimizer"]
+        assert got.startswith(REFUSED + "HybridDeviceOptimizer (--optimizer-cpu-offload): the cpu backend "
+                              "cannot run it: Megatron's HybridDeviceOptimizer offloads"), got
+
     @pytest.mark.parametrize("key", ["mla_local_spec", "mla_local_block_spec"])
     def test_mla_local_spec_refused(self, key):
         """megatron-core users asking the local spec for MLA (directly, or through the decoder block
@@ -141,6 +148,9 @@ CASES = [
     (["--num-experts", "4", "--moe-latent-size", "16"],
      REFUSED + "--moe-latent-size: the cpu backend cannot run it: Megatron's MoELayer builds the latent "
                "projections from Transformer Engine's TELinear only"),
+    (["--optimizer-cpu-offload", "--use-distributed-optimizer", "--use-precision-aware-optimizer"],
+     REFUSED + "--optimizer-cpu-offload: the cpu backend cannot run it: Megatron's HybridDeviceOptimizer "
+               "offloads the parameters for which param.is_cuda holds"),
     # served: not refused
     (["--multi-latent-attention"], "passed"),
     (["--num-experts", "4", "--moe-grouped-gemm"], "passed"),    # with Megatron's default --add-bias-linear
