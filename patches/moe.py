@@ -61,6 +61,9 @@ def _gmm_namespace(backend):
         grouped_gemm = backend.op("grouped_gemm")
 
         def gmm(a, b, batch_sizes, trans_b=False):
+            # the package's own check and message (its batch_sizes live on the host)
+            if batch_sizes.device.type == "cpu" and batch_sizes.numel() and not bool(batch_sizes.any()):
+                raise ValueError("Input batch_sizes should not be all zeros!")
             return grouped_gemm(a, b, batch_sizes, trans_b)
 
         ops = types.SimpleNamespace(gmm=gmm, __megatron_adapt_impl__=f"{backend.name}.grouped_gemm")

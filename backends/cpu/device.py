@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import types
 
 import torch
@@ -59,8 +60,10 @@ class CudaOnCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is _CUDA:
             return _own_memory(args[0])
-        if func is torch.device and len(args) == 1 and isinstance(args[0], int) and not kwargs:
-            return _CPU   # torch.device(torch.cuda.current_device()): an index means the GPU
+        if func is torch.device and args and _is_cuda(args[0]) and not kwargs:
+            # torch.device(torch.cuda.current_device()), torch.device(f"cuda:{i}"), ("cuda", i): every
+            # tensor placed there is a CPU tensor, so the device they are compared with is the CPU
+            return _CPU
         if func in _PASSTHROUGH:
             return args[0] if func is torch.Tensor.pin_memory else None
         if func is _TYPE:
@@ -269,6 +272,20 @@ def _wrap_isend(original):
     return isend
 
 
+def _wrap_all_gather_into_tensor(original):
+    """NCCL takes any input whose size is the output's over the world size; gloo wants the input
+    shaped as one chunk of the output (Megatron's MoE layer gathers a [1, 1, s, h] input into a
+    [n, s, h] output). Same storage, flat views: the gathered values land where NCCL puts them."""
+    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+        world = dist.get_world_size(group)
+        chunk = (output_tensor.shape[0] // world, *output_tensor.shape[1:]) if output_tensor.dim() else ()
+        if (input_tensor.shape != chunk and input_tensor.numel() * world == output_tensor.numel()
+                and output_tensor.is_contiguous() and input_tensor.is_contiguous()):
+            return original(output_tensor.view(-1), input_tensor.view(-1), group=group, async_op=async_op)
+        return original(output_tensor, input_tensor, group=group, async_op=async_op)
+    return all_gather_into_tensor
+
+
 def _wrap_barrier(original):
     def barrier(group=None, async_op=False, device_ids=None):
         return original(group=group, async_op=async_op)
@@ -375,6 +392,19 @@ def _wrap_backward_apply(original):
     return apply
 
 
+def _wrap_thread_bootstrap(original):
+    """A TorchFunctionMode is active in the thread that entered it only. Megatron runs work on
+    other Python threads too (the static inference engine's `run_in_executor`, the dynamic engine's
+    ThreadPoolExecutor): each thread started while the layer is installed runs under a mode of its
+    own, so a `device="cuda"` there is the CPU as well instead of initialising CUDA."""
+    def _bootstrap_inner(self):
+        if _mode is None:
+            return original(self)
+        with CudaOnCpuMode():
+            return original(self)
+    return _bootstrap_inner
+
+
 def _set(owner, name, value):
     had = name in vars(owner)
     _saved.append((owner, name, getattr(owner, name, None), had))
@@ -395,6 +425,7 @@ def install() -> None:
     for name, fn in NVTX_API.items():
         _set(torch.cuda.nvtx, name, fn)
     _set(torch, "Generator", Generator)
+    _set(threading.Thread, "_bootstrap_inner", _wrap_thread_bootstrap(threading.Thread._bootstrap_inner))
     if dist.is_available():
         from torch.distributed import distributed_c10d
 
@@ -408,6 +439,10 @@ def install() -> None:
                 _set(distributed_c10d, name, wrapped)
         # Both names: P2POp validates its op against distributed_c10d's own `isend` global.
 
+        gather = _wrap_all_gather_into_tensor(distributed_c10d.all_gather_into_tensor)
+        _set(dist, "all_gather_into_tensor", gather)
+        if distributed_c10d is not dist:
+            _set(distributed_c10d, "all_gather_into_tensor", gather)
         isend = _wrap_isend(distributed_c10d.isend)
         _set(dist, "isend", isend)
         if distributed_c10d is not dist:

@@ -75,6 +75,8 @@ def test_generator_on_the_accelerator_is_a_cpu_generator():
             "g = torch.Generator(device=torch.cuda.current_device()); g.manual_seed(3)\n"
             "h = torch.Generator(); h.manual_seed(3)\n"
             "print('device', g.device, torch.Generator(device='cuda:0').device)\n"
+            "x = torch.ones(1, device='cuda')\n"
+            "print('placed', x.device == torch.device(f'cuda:{torch.cuda.current_device()}') == torch.device('cuda', 0))\n"
             "print('same', torch.equal(torch.rand(4, generator=g), torch.rand(4, generator=h)))\n"
             "print('isinstance', isinstance(torch.default_generator, torch.Generator), isinstance(g, torch.Generator))\n"
             "megatron_adapt.revert()\n"
@@ -83,6 +85,53 @@ def test_generator_on_the_accelerator_is_a_cpu_generator():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "device cpu cpu" in proc.stdout
+    assert "placed True" in proc.stdout   # Megatron's engine asserts prompt.device == cuda:<current>
     assert "same True" in proc.stdout
     assert "isinstance True True" in proc.stdout
     assert "reverted True" in proc.stdout
+
+
+def test_threads_map_the_accelerator_to_the_cpu_too():
+    """A TorchFunctionMode is per thread; Megatron's inference engines run steps on executor threads.
+    A tensor asked for on 'cuda' in such a thread is a CPU tensor, as in the main thread."""
+    import os
+
+    code = ("import concurrent.futures, threading, torch, megatron_adapt\n"
+            "megatron_adapt.apply('cpu')\n"
+            "def make(): return str(torch.ones(2, device='cuda').device)\n"
+            "with concurrent.futures.ThreadPoolExecutor(1) as ex: print('pool', ex.submit(make).result())\n"
+            "out = []; t = threading.Thread(target=lambda: out.append(make())); t.start(); t.join()\n"
+            "print('thread', out[0])\n"
+            "megatron_adapt.revert()\n"
+            "print('reverted', threading.Thread._bootstrap_inner.__qualname__ == 'Thread._bootstrap_inner')\n")
+    env = {**os.environ, "MEGATRON_ADAPT_AUTO": "0", "MEGATRON_ADAPT_QUIET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pool cpu" in proc.stdout and "thread cpu" in proc.stdout, proc.stdout
+    assert "reverted True" in proc.stdout, proc.stdout
+
+
+def test_all_gather_into_tensor_takes_nccls_shapes_over_gloo(tmp_path):
+    """NCCL gathers any input of output.numel() / world elements; gloo wanted one output chunk's
+    shape (Megatron's MoE layer gathers [1, 1, s, h] into [2, s, h]: RuntimeError on gloo)."""
+    import os
+
+    from megatron_adapt.apps.ports import free_port
+
+    script = tmp_path / "gather.py"
+    script.write_text(
+        "import torch, torch.distributed as dist, megatron_adapt\n"
+        "megatron_adapt.apply('cpu')\n"
+        "dist.init_process_group('nccl')\n"
+        "r = dist.get_rank()\n"
+        "out = torch.empty(2, 3, 4, device='cuda')\n"
+        "dist.all_gather_into_tensor(out, torch.full((1, 1, 3, 4), float(r), device='cuda'))\n"
+        "same = torch.empty(2, 3, 4); dist.all_gather_into_tensor(same, torch.full((1, 3, 4), float(r)))\n"
+        "print('gathered', r, out[0].eq(0).all().item(), out[1].eq(1).all().item(), torch.equal(out, same))\n"
+        "dist.destroy_process_group()\n")
+    env = {**os.environ, "MEGATRON_ADAPT_AUTO": "0", "MEGATRON_ADAPT_QUIET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), str(script)],
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gathered 0 True True True" in proc.stdout and "gathered 1 True True True" in proc.stdout, proc.stdout
