@@ -631,6 +631,10 @@ SPECS = [
               area="layer_specs", mode=WRAP, build=build_t5_masks),
     PatchSpec("megatron.core.models.bert.bert_layer_specs:HAVE_TE", area="layer_specs", build=build_have_te,
               check_signature=False),
+    # Flextron's router (core_v0.19, megatron.elastification, Megatron-LM only) imports TE's linears and
+    # sets HAVE_TE from that import alone: without TE it built the MagicMock stand-ins.
+    *_te_name_specs("megatron.elastification.router.hybrid_flex_router",
+                    ("TEColumnParallelLinear", "TERowParallelLinear"), optional=True, versions=">=0.19.0,<0.20.0"),
     # Activation logging (core_v0.19, megatron.training): the module types it hooks.
     PatchSpec("megatron.training.activation_logging:LINEAR_TYPES", area="layer_specs",
               build=build_activation_types, check_signature=False, optional=True, versions=">=0.19.0,<0.20.0"),
