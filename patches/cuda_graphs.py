@@ -366,7 +366,10 @@ def build_eval_eager(backend, original):
     replayed graph is the training-mode forward, with its dropout masks and MoE aux-loss tracking."""
     def call(wrapped, instance, args, kwargs):
         module, call_args, call_kwargs = args[0], args[1], args[2]
-        if module.training or call_kwargs.get("inference_context"):
+        if (getattr(module, "training", True) or call_kwargs.get("inference_context")
+                # a manager for one function without backward (core 0.19's inline capture) is not a
+                # layer's training graph: it captures and replays in eval mode by design
+                or getattr(instance, "_inline_capture", False) or not getattr(instance, "need_backward", True)):
             return wrapped(*args, **kwargs)
         report.ran("cuda_graph_layer_forward", "eager (eval mode: validation)")
         func = getattr(instance, "func", None)

@@ -114,6 +114,18 @@ class TestSetUpOnce:
     def test_next_finds_a_parallel_state(self):
         assert Utils.calls[-1] == (1, 1, {}), Utils.calls[-3:]
 
+    def test_sets_up_a_calculator_then_asks_for_more_ranks(self):
+        # test_pipeline_layout: its own unset_num_microbatches_calculator() is never reached
+        from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+        init_num_microbatches_calculator(0, None, 1, 1, 1)
+        Utils.initialize_model_parallel(1, 4)
+
+    def test_next_can_set_up_its_calculator(self):
+        from megatron.core.num_microbatches_calculator import (
+            init_num_microbatches_calculator, unset_num_microbatches_calculator)
+        init_num_microbatches_calculator(0, None, 1, 1, 1)
+        unset_num_microbatches_calculator()
+
 def test_listed_in_the_skip_table():
     raise AssertionError("the skip table should have skipped this")
 
@@ -233,6 +245,8 @@ def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
     assert tests["test_faked_layout[1-4]"]["outcome"] == "passed", tests
     assert tests["TestSetUpOnce::test_asks_for_more_ranks"]["outcome"] == "skipped", tests
     assert tests["TestSetUpOnce::test_next_finds_a_parallel_state"]["outcome"] == "passed", tests
+    assert tests["TestSetUpOnce::test_sets_up_a_calculator_then_asks_for_more_ranks"]["outcome"] == "skipped", tests
+    assert tests["TestSetUpOnce::test_next_can_set_up_its_calculator"]["outcome"] == "passed", tests
     assert tests["test_layout_parsing[8]"]["outcome"] == "passed", tests
     te_classes = {k: v for k, v in report["tests"].items() if "test_hybrid_model.py" in k}
     assert len(te_classes) == 2 and all(v["outcome"] == "passed" for v in te_classes.values()), te_classes

@@ -330,6 +330,10 @@ EVAL = textwrap.dedent("""
     layer.eval()
     print("EVAL", call(graphs, manager, (layer, (1,), {{}}), {{}}))
     print("INFERENCE", call(graphs, manager, (layer, (1,), {{"inference_context": object()}}), {{}}))
+    # core 0.19's inline capture of one function, no backward: captured in eval mode by design
+    inline = type("Manager", (), {{"func": None, "_inline_capture": True, "need_backward": False}})()
+    print("INLINE", call(graphs, inline, (layer, (1,), {{}}), {{}}))
+    print("NOT A MODULE", call(graphs, inline, (object(), (1,), {{}}), {{}}))
     from megatron_adapt import report
     print("COUNTS", report.op_counts().get("cuda_graph_layer_forward"))
 """)
@@ -342,7 +346,7 @@ def test_a_layer_in_eval_mode_runs_eager_under_graphs(python, func):
     own func where Megatron set one). tests/cuda/test_cuda_graphs.py checks it with real graphs."""
     proc = python(EVAL.format(func=func))
     eager = "eager func" if func != "None" else "eager"
-    assert f"TRAIN graph\nEVAL {eager}\nINFERENCE graph" in proc.stdout, proc.stdout
+    assert f"TRAIN graph\nEVAL {eager}\nINFERENCE graph\nINLINE graph\nNOT A MODULE graph" in proc.stdout, proc.stdout
     # the report counts the eval-mode forwards that ran eager (training ones are Megatron's graphs)
     assert "COUNTS {'eager (eval mode: validation)': 1}" in proc.stdout, proc.stdout
 
