@@ -195,11 +195,12 @@ SKIPS: list[Skip] = [
     Skip(UT + "transformer/moe/test_multihot_indices_converter.py::*", "cuda",
          "Megatron's own Triton kernel (moe/fused_indices_converter.py); Triton launches it on a GPU "
          "only (on cpu: \"0 active drivers\")", backends=NOT_GPU),
-    Skip(UT + "inference/engines/test_dynamic_engine.py::*", "package",
-         "the dynamic engine's attention asserts flash-attn >= 2.7.3 (attention.py: \"flash attn verion "
-         "v2.7.3 and above is required for dynamic batching\"): flash_attn_varlen_func / "
-         "flash_attn_with_kvcache on the paged KV cache. flash-attn is a source build against the "
-         "installed torch and CUDA (no wheel on the registries); cases that do not reach attention run"),
+    *(Skip(UT + f"inference/engines/test_dynamic_engine.py::TestDynamicInferenceEngine::{t}[[]*", "package",
+           "the dynamic engine's attention asserts flash-attn >= 2.7.3 (attention.py: \"flash attn verion "
+           "v2.7.3 and above is required for dynamic batching\"): flash_attn_varlen_func / "
+           "flash_attn_with_kvcache on the paged KV cache. flash-attn is a source build against the "
+           "installed torch and CUDA (no wheel on the registries)")
+      for t in ("test_speculative_block_boundary_crossing", "test_speculative_sequence_length_double_counting")),
     Skip(UT + "inference/test_batch_dimension_utils.py::TestMatchGraphConfigWithEP::test_any_prefill_rank_forces_eager*",
          "ranks", "needs one EP rank with a prefill batch and another with decode only; with one rank "
          "the only rank is the decode one, so the match is not forced eager", needs_world=2),
