@@ -126,6 +126,19 @@ class TestSetUpOnce:
         init_num_microbatches_calculator(0, None, 1, 1, 1)
         unset_num_microbatches_calculator()
 
+class _Container:
+    # Megatron's MoEModelTestContainer destroys the parallel state in __del__
+    def __init__(self):
+        self.me = self                       # a reference cycle: only the cyclic GC frees it
+    def __del__(self):
+        Utils.calls.append("container collected")
+
+def test_leaves_a_container_in_a_cycle():
+    _Container()
+
+def test_after_the_container():
+    assert Utils.calls[-1] == "container collected", Utils.calls[-3:]
+
 def test_listed_in_the_skip_table():
     raise AssertionError("the skip table should have skipped this")
 
@@ -247,6 +260,7 @@ def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
     assert tests["TestSetUpOnce::test_next_finds_a_parallel_state"]["outcome"] == "passed", tests
     assert tests["TestSetUpOnce::test_sets_up_a_calculator_then_asks_for_more_ranks"]["outcome"] == "skipped", tests
     assert tests["TestSetUpOnce::test_next_can_set_up_its_calculator"]["outcome"] == "passed", tests
+    assert tests["test_after_the_container"]["outcome"] == "passed", tests["test_after_the_container"]
     assert tests["test_layout_parsing[8]"]["outcome"] == "passed", tests
     te_classes = {k: v for k, v in report["tests"].items() if "test_hybrid_model.py" in k}
     assert len(te_classes) == 2 and all(v["outcome"] == "passed" for v in te_classes.values()), te_classes
