@@ -127,11 +127,13 @@ def test_all_gather_into_tensor_takes_nccls_shapes_over_gloo(tmp_path):
         "out = torch.empty(2, 3, 4, device='cuda')\n"
         "dist.all_gather_into_tensor(out, torch.full((1, 1, 3, 4), float(r), device='cuda'))\n"
         "same = torch.empty(2, 3, 4); dist.all_gather_into_tensor(same, torch.full((1, 3, 4), float(r)))\n"
-        "print('gathered', r, out[0].eq(0).all().item(), out[1].eq(1).all().item(), torch.equal(out, same))\n"
+        f"open(r'{tmp_path}' + f'/rank{{r}}.txt', 'w').write("
+        "f'gathered {r} {out[0].eq(0).all().item()} {out[1].eq(1).all().item()} {torch.equal(out, same)}')\n"
         "dist.destroy_process_group()\n")
     env = {**os.environ, "MEGATRON_ADAPT_AUTO": "0", "MEGATRON_ADAPT_QUIET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(free_port()), str(script)],
                           env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "gathered 0 True True True" in proc.stdout and "gathered 1 True True True" in proc.stdout, proc.stdout
+    for r in (0, 1):     # one file per rank: the two ranks' stdout interleave
+        assert (tmp_path / f"rank{r}.txt").read_text() == f"gathered {r} True True True", proc.stdout
