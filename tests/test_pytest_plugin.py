@@ -126,15 +126,16 @@ class TestSetUpOnce:
         init_num_microbatches_calculator(0, None, 1, 1, 1)
         unset_num_microbatches_calculator()
 
-class _Container:
-    # Megatron's MoEModelTestContainer destroys the parallel state in __del__
+class MoEModelTestContainer:
+    # Megatron's (tests/unit_tests/transformer/moe/test_token_dispatcher.py) destroys the parallel
+    # state in __del__
     def __init__(self):
         self.me = self                       # a reference cycle: only the cyclic GC frees it
     def __del__(self):
         Utils.calls.append("container collected")
 
 def test_leaves_a_container_in_a_cycle():
-    _Container()
+    MoEModelTestContainer()
 
 def test_after_the_container():
     assert Utils.calls[-1] == "container collected", Utils.calls[-3:]
