@@ -78,7 +78,17 @@ class Skip:
 UT = "tests/unit_tests/"
 NOT_GPU = ("cpu", "npu")
 CUDA_IS_CPU = "on the cpu backend 'cuda' tensors are CPU tensors"
-DSA_TESTS = UT + "transformer/experimental_attention_variant/test_attention_variant_dsa.py::"   # why a [cuda] test cannot run there
+DSA_TESTS = UT + "transformer/experimental_attention_variant/test_attention_variant_dsa.py::"
+# reasons several entries share
+TRITON_GPU_ONLY = "Triton launches them on a GPU only (on cpu: \"0 active drivers\")"
+FP8_REFUSED = ("megatron-adapt runs fp8 GEMMs on sm89+ GPUs only and refuses fp8 elsewhere at start "
+               "(UnsupportedFeatureError, never silent bf16)")
+FLASH_ATTN_KV = ("dynamic batching asserts flash-attn >= 2.7.3 (attention.py: \"flash attn verion v2.7.3 and "
+                 "above is required for dynamic batching\"): flash_attn_varlen_func / flash_attn_with_kvcache "
+                 "on the paged KV cache. flash-attn is a source build against the installed torch and CUDA "
+                 "(no wheel on the registries)")
+BATCH_INVARIANT_TE = ("batch-invariant mode monkey-patches TE's GEMM and RMSNorm entry points "
+                      "(batch_invariant_kernels._te_patch_for_batch_invariant imports transformer_engine.pytorch)")   # why a [cuda] test cannot run there
 # From the runs recorded in docs/megatron-unit-tests.md; every entry says why. Layouts asked for
 # through Utils.initialize_model_parallel are skipped at run time by _guard_world_size instead.
 SKIPS: list[Skip] = [
@@ -194,13 +204,9 @@ SKIPS: list[Skip] = [
          "(1.3.1) it raises 'Profile \"default\" not found'; not installed, the URL is opened as a "
          "local path (FileNotFoundError). Stock Megatron, no megatron-adapt, core_v0.19.0: the same"),
     Skip(UT + "transformer/moe/test_multihot_indices_converter.py::*", "cuda",
-         "Megatron's own Triton kernel (moe/fused_indices_converter.py); Triton launches it on a GPU "
-         "only (on cpu: \"0 active drivers\")", backends=NOT_GPU),
+         "Megatron's own Triton kernel (moe/fused_indices_converter.py); " + TRITON_GPU_ONLY, backends=NOT_GPU),
     *(Skip(UT + f"inference/engines/test_dynamic_engine.py::TestDynamicInferenceEngine::{t}[[]*", "package",
-           "the dynamic engine's attention asserts flash-attn >= 2.7.3 (attention.py: \"flash attn verion "
-           "v2.7.3 and above is required for dynamic batching\"): flash_attn_varlen_func / "
-           "flash_attn_with_kvcache on the paged KV cache. flash-attn is a source build against the "
-           "installed torch and CUDA (no wheel on the registries)")
+           "the dynamic engine's " + FLASH_ATTN_KV)
       for t in ("test_speculative_block_boundary_crossing", "test_speculative_sequence_length_double_counting")),
     Skip(UT + "inference/test_batch_dimension_utils.py::TestMatchGraphConfigWithEP::test_any_prefill_rank_forces_eager*",
          "ranks", "needs one EP rank with a prefill batch and another with decode only; with one rank "
@@ -218,15 +224,13 @@ SKIPS: list[Skip] = [
     Skip(UT + "transformer/test_cuda_graphs.py::TestSkipFp8WeightUpdateTensor::*", "te",
          "resets TE's FP8GlobalStateManager (imports transformer_engine.pytorch.fp8 inside the test)"),
     Skip(UT + "transformer/test_transformer_block.py::*::test_gpu_forward_selective_checkpoint_fp8", "cuda",
-         "runs the block in fp8 (e4m3); megatron-adapt runs fp8 GEMMs on sm89+ GPUs and refuses fp8 on "
-         "cpu at model build (UnsupportedFeatureError, never silent bf16)", backends=NOT_GPU),
+         "runs the block in fp8 (e4m3); " + FP8_REFUSED, backends=NOT_GPU),
     Skip(UT + "test_tokenizer.py::*", "download",
          "fetches the GPT-2 vocab / merges from s3.amazonaws.com (core_v0.16.1's tokenizer tests)",
          versions=">=0.15.0,<0.17.0"),
     Skip(UT + "ssm/test_gated_delta_net.py::*", "cuda",
          "Gated DeltaNet runs flash-linear-attention's Triton kernels (fla-core 0.6.0 from the "
-         "registries: chunk_gated_delta_rule, l2norm); Triton launches them on a GPU only",
-         backends=NOT_GPU),
+         "registries: chunk_gated_delta_rule, l2norm); " + TRITON_GPU_ONLY, backends=NOT_GPU),
     *(Skip(UT + f"distributed/mfsdp_v2/{f}.py::*", "cuda",
            "Megatron-FSDP v2 shards through torch's FSDP2 / DTensor / symmetric-memory helpers, which "
            "require a CUDA device (torch/cuda/_utils.py: \"Expected a cuda device, but got: cpu\")",
@@ -266,11 +270,9 @@ SKIPS: list[Skip] = [
          "(\"No CUDA, No Support\", core/utils.py), so its control port never opens (connection "
          "refused); the cpu backend does not claim CUDA is available", backends=NOT_GPU),
     Skip(UT + "export/trtllm/test_*_fp8.py::*", "cuda",
-         "builds its model with fp8 set; megatron-adapt runs fp8 GEMMs on sm89+ GPUs only and refuses "
-         "fp8 at start elsewhere (UnsupportedFeatureError, never silent bf16)", backends=NOT_GPU),
+         "builds its model with fp8 set; " + FP8_REFUSED, backends=NOT_GPU),
     Skip(UT + "determinism/correctness/test_fp8_determinism.py::*", "cuda",
-         "runs layers under fp8 recipes; megatron-adapt runs fp8 GEMMs on sm89+ GPUs only and refuses "
-         "fp8 at start elsewhere (UnsupportedFeatureError, never silent bf16)", backends=NOT_GPU),
+         "runs layers under fp8 recipes; " + FP8_REFUSED, backends=NOT_GPU),
     Skip(UT + "generalized_tensor_parallel/*.py::*", "te",
          "gtp_test_utils imports transformer_engine.pytorch (is_mxfp8_available, FP8GlobalStateManager) "
          "at module level: generalized tensor parallelism shards TE's quantized parameters "
@@ -280,28 +282,21 @@ SKIPS: list[Skip] = [
          "asserts the output layer is a ColumnParallelLinear (it is) and then that it is not TE's "
          "TELMHeadColumnParallelLinear, which is None without TE (isinstance: TypeError)"),
     Skip(UT + "transformer/test_te_layers_batch_invariant.py::*", "te",
-         "batch-invariant mode monkey-patches TE's GEMM and RMSNorm entry points "
-         "(batch_invariant_kernels._te_patch_for_batch_invariant imports transformer_engine.pytorch); "
-         "the test compares TE layers with and without it"),
-    Skip(UT + "rl/test_rl_batch_invariant.py::*", "te",
-         "batch-invariant mode monkey-patches TE's GEMM and RMSNorm entry points "
-         "(batch_invariant_kernels._te_patch_for_batch_invariant imports transformer_engine.pytorch)"),
+         BATCH_INVARIANT_TE + "; the test compares TE layers with and without it"),
+    Skip(UT + "rl/test_rl_batch_invariant.py::*", "te", BATCH_INVARIANT_TE),
     Skip(UT + "inference/test_moe_permute.py::*", "cuda",
-         "Megatron's own Triton kernels for inference MoE (inference/moe/permute.py); Triton launches "
-         "them on a GPU only (on cpu: \"0 active drivers\")", backends=NOT_GPU),
+         "Megatron's own Triton kernels for inference MoE (inference/moe/permute.py); " + TRITON_GPU_ONLY,
+         backends=NOT_GPU),
     Skip(UT + "inference/test_vllm_fused_moe.py::*", "cuda",
-         "Megatron's own Triton kernels (vLLM's fused MoE, moe_align_block_size, moe_sum); Triton "
-         "launches them on a GPU only", backends=NOT_GPU),
+         "Megatron's own Triton kernels (vLLM's fused MoE, moe_align_block_size, moe_sum); " + TRITON_GPU_ONLY,
+         backends=NOT_GPU),
     Skip(UT + "inference/text_generation_controllers/test_mtp_utils.py::*", "cuda",
          "Megatron's own Triton kernels for speculative decoding (inference/text_generation_controllers/"
-         "mtp_utils.py); Triton launches them on a GPU only", backends=NOT_GPU),
+         "mtp_utils.py); " + TRITON_GPU_ONLY, backends=NOT_GPU),
     Skip(UT + "inference/test_mtp_cuda_graph_inference.py::*", "cuda",
          "captures and replays torch.cuda.CUDAGraph objects", backends=NOT_GPU),
     Skip(UT + "inference/test_mtp_cuda_graph_inference.py::TestMTPBlockScopeCudaGraph::*", "package",
-         "dynamic batching asserts flash-attn >= 2.7.3 (attention.py: \"flash attn verion v2.7.3 and "
-         "above is required for dynamic batching\") for flash_attn_varlen_func / "
-         "flash_attn_with_kvcache; flash-attn is a source build against the installed torch and CUDA "
-         "(no wheel on the registries)", backends=("cuda",)),
+         FLASH_ATTN_KV, backends=("cuda",)),
     Skip(UT + "inference/test_moe_dispatching_and_routing.py::TestNVLSAllGatherVDispatcher::*", "cuda",
          "NVLSAllGatherVDispatcher allocates NVLink SHARP symmetric memory "
          "(torch.distributed._symmetric_memory) for its all-gather", backends=NOT_GPU),
@@ -524,17 +519,13 @@ class _Plugin:
     def pytest_runtest_setup(self, item):
         _AT_TEST_START["microbatch_calculator"] = _microbatch_calculator_set()
         # setup too: DSA's tests import TELinear / TENorm in setup_method and build the module there
-        if any(fnmatch.fnmatchcase(item.nodeid, p) for p in TE_CLASS_TESTS):
-            with _te_classes():
-                return (yield)
-        return (yield)
+        with _te_classes_for(item):
+            return (yield)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item):
-        if any(fnmatch.fnmatchcase(item.nodeid, p) for p in TE_CLASS_TESTS):
-            with _te_classes():
-                return (yield)
-        return (yield)
+        with _te_classes_for(item):
+            return (yield)
 
     def pytest_runtest_logfinish(self, nodeid, location):
         self._write()  # after every test: a run killed by its time limit still has its counts
@@ -720,6 +711,13 @@ def _te_library_skip(collector, report, skips):
         report.outcome = "skipped"
         report.longrepr = (str(collector.path), 0, "Skipped: " + reason)
     return report
+
+
+def _te_classes_for(item):
+    """_te_classes() for the tests of TE_CLASS_TESTS, else nothing."""
+    if any(fnmatch.fnmatchcase(item.nodeid, p) for p in TE_CLASS_TESTS):
+        return _te_classes()
+    return contextlib.nullcontext()
 
 
 @contextlib.contextmanager

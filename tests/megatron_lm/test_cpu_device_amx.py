@@ -28,6 +28,16 @@ def _run(env_extra):
     return subprocess.run([sys.executable, "-c", CODE], env=env, capture_output=True, text=True, timeout=120)
 
 
+def _python(args, timeout=120, **env):
+    """sys.executable with `args` under MEGATRON_ADAPT_AUTO=0 (the code applies itself); must succeed."""
+    import os
+
+    full_env = {**os.environ, "MEGATRON_ADAPT_AUTO": "0", "MEGATRON_ADAPT_QUIET": "1", **env}
+    proc = subprocess.run([sys.executable, *args], env=full_env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 def test_bf16_matmul_survives_under_cpu_backend():
     proc = _run({})
     assert proc.returncode == 0, f"rc={proc.returncode} (-4 is SIGILL)\n{proc.stderr[-3000:]}"
@@ -67,8 +77,6 @@ def test_generator_on_the_accelerator_is_a_cpu_generator():
     """Megatron's inference sampling RNG is `torch.Generator(device=torch.cuda.current_device())`;
     on the cpu backend it is a CPU generator that draws like one, and every torch generator still
     passes isinstance(x, torch.Generator). revert gives torch's own class back."""
-    import os
-
     code = ("import torch, megatron_adapt\n"
             "stock = torch.Generator\n"
             "megatron_adapt.apply('cpu')\n"
@@ -81,9 +89,7 @@ def test_generator_on_the_accelerator_is_a_cpu_generator():
             "print('isinstance', isinstance(torch.default_generator, torch.Generator), isinstance(g, torch.Generator))\n"
             "megatron_adapt.revert()\n"
             "print('reverted', torch.Generator is stock)\n")
-    env = {**os.environ, "MEGATRON_ADAPT_AUTO": "0", "MEGATRON_ADAPT_QUIET": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _python(["-c", code])
     assert "device cpu cpu" in proc.stdout
     assert "placed True" in proc.stdout   # Megatron's engine asserts prompt.device == cuda:<current>
     assert "same True" in proc.stdout
@@ -94,8 +100,6 @@ def test_generator_on_the_accelerator_is_a_cpu_generator():
 def test_threads_map_the_accelerator_to_the_cpu_too():
     """A TorchFunctionMode is per thread; Megatron's inference engines run steps on executor threads.
     A tensor asked for on 'cuda' in such a thread is a CPU tensor, as in the main thread."""
-    import os
-
     code = ("import concurrent.futures, threading, torch, megatron_adapt\n"
             "megatron_adapt.apply('cpu')\n"
             "def make(): return str(torch.ones(2, device='cuda').device)\n"
@@ -104,9 +108,7 @@ def test_threads_map_the_accelerator_to_the_cpu_too():
             "print('thread', out[0])\n"
             "megatron_adapt.revert()\n"
             "print('reverted', threading.Thread._bootstrap_inner.__qualname__ == 'Thread._bootstrap_inner')\n")
-    env = {**os.environ, "MEGATRON_ADAPT_AUTO": "0", "MEGATRON_ADAPT_QUIET": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _python(["-c", code])
     assert "pool cpu" in proc.stdout and "thread cpu" in proc.stdout, proc.stdout
     assert "reverted True" in proc.stdout, proc.stdout
 
@@ -114,8 +116,6 @@ def test_threads_map_the_accelerator_to_the_cpu_too():
 def test_all_gather_into_tensor_takes_nccls_shapes_over_gloo(tmp_path):
     """NCCL gathers any input of output.numel() / world elements; gloo wanted one output chunk's
     shape (Megatron's MoE layer gathers [1, 1, s, h] into [2, s, h]: RuntimeError on gloo)."""
-    import os
-
     from megatron_adapt.apps.ports import free_port
 
     script = tmp_path / "gather.py"
@@ -130,10 +130,7 @@ def test_all_gather_into_tensor_takes_nccls_shapes_over_gloo(tmp_path):
         f"open(r'{tmp_path}' + f'/rank{{r}}.txt', 'w').write("
         "f'gathered {r} {out[0].eq(0).all().item()} {out[1].eq(1).all().item()} {torch.equal(out, same)}')\n"
         "dist.destroy_process_group()\n")
-    env = {**os.environ, "MEGATRON_ADAPT_AUTO": "0", "MEGATRON_ADAPT_QUIET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), str(script)],
-                          env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _python(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+                    str(script)], timeout=180, OMP_NUM_THREADS="1")
     for r in (0, 1):     # one file per rank: the two ranks' stdout interleave
         assert (tmp_path / f"rank{r}.txt").read_text() == f"gathered {r} True True True", proc.stdout
