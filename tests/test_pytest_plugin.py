@@ -84,6 +84,11 @@ def test_layouts(tp, pp):
 def test_expert_layout():
     Utils.initialize_model_parallel(1, 1, expert_model_parallel_size=4)
 
+@pytest.mark.parametrize("instances", [2, 4])
+def test_distributed_optimizer_instances(instances):
+    # each instance is a data-parallel subgroup (test_optimizer_shards_cover_every_param)
+    Utils.initialize_model_parallel(num_distributed_optimizer_instances=instances)
+
 def _baseline_then_layout(tp, cp):
     assert tp * cp <= 2, "ran a layout the world size cannot hold"   # (the expensive baseline)
     Utils.initialize_model_parallel(tp, 1, context_parallel_size=cp)
@@ -250,9 +255,11 @@ def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
                  "test_layouts[2-1]", "test_layouts[1-2]"):
         assert tests[name]["outcome"] == "passed", (name, tests[name])
     for name, need in (("test_layouts[4-1]", "TP4 x PP1 x CP1 needs a world size divisible by 4"),
-                       ("test_layouts[2-2]", "divisible by 4"), ("test_expert_layout", "EP4 x ETP1 x PP1")):
+                       ("test_layouts[2-2]", "divisible by 4"), ("test_expert_layout", "EP4 x ETP1 x PP1"),
+                       ("test_distributed_optimizer_instances[4]", "4 distributed-optimizer instances needs a world size divisible by 4")):
         assert tests[name]["outcome"] == "skipped" and need in tests[name]["reason"], (name, tests[name])
         assert tests[name]["reason"].startswith("[ranks]"), tests[name]
+    assert tests["test_distributed_optimizer_instances[2]"]["outcome"] == "passed", tests
     assert tests["test_baseline_first[2-1]"]["outcome"] == "passed", tests
     param_skip = tests["test_baseline_first[1-4]"]
     assert param_skip["outcome"] == "skipped" and "parametrised TP1 x PP1 x CP4" in param_skip["reason"], param_skip

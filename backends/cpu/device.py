@@ -286,6 +286,27 @@ def _wrap_all_gather_into_tensor(original):
     return all_gather_into_tensor
 
 
+def _wrap_all_gather(original):
+    """NCCL gathers a list of tensors of different sizes (ProcessGroupNCCL falls back to broadcasts;
+    Megatron-FSDP's uneven DTensor shards rely on it); gloo requires one size. An uneven list is
+    gathered padded to its largest member, then each rank's part is copied to its own tensor."""
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = [t.numel() for t in tensor_list]
+        if len(set(sizes)) <= 1 or (group is not None and dist.get_rank(group) < 0):
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        largest = max(sizes)
+        padded = tensor.new_zeros(largest)
+        padded[:tensor.numel()] = tensor.reshape(-1)
+        gathered = [tensor.new_empty(largest) for _ in tensor_list]
+        work = original(gathered, padded, group=group, async_op=async_op)
+        if work is not None:
+            work.wait()   # the copies below need the values; waiting again later is harmless
+        for out, part, n in zip(tensor_list, gathered, sizes):
+            out.copy_(part[:n].view(out.shape))
+        return work
+    return all_gather
+
+
 def _wrap_barrier(original):
     def barrier(group=None, async_op=False, device_ids=None):
         return original(group=group, async_op=async_op)
@@ -443,6 +464,10 @@ def install() -> None:
         _set(dist, "all_gather_into_tensor", gather)
         if distributed_c10d is not dist:
             _set(distributed_c10d, "all_gather_into_tensor", gather)
+        gather_list = _wrap_all_gather(distributed_c10d.all_gather)
+        _set(dist, "all_gather", gather_list)
+        if distributed_c10d is not dist:
+            _set(distributed_c10d, "all_gather", gather_list)
         isend = _wrap_isend(distributed_c10d.isend)
         _set(dist, "isend", isend)
         if distributed_c10d is not dist:

@@ -99,6 +99,18 @@ SKIPS: list[Skip] = [
          needs_world=8),
     Skip(UT + "pipeline_parallel/test_schedules.py::test_forward_backward_no_pipelining_with_custom_pgs",
          "ranks", "builds a HyperCommGrid of shape [2, 1, 1, 4]: 8 ranks", needs_world=8),
+    Skip(UT + "transformer/moe/test_grouped_mlp.py::TestParallelGroupedMLP::test_weight_init_value_the_same", "cuda",
+         "with use_cpu_initialization=False it expects the grouped and the sequential experts' weights, drawn "
+         "under the expert RNG fork in different orders and sizes, to coincide: a property of CUDA's "
+         "counter-based Philox generator, not of the CPU's Mersenne Twister (the cpu-initialised variant runs)",
+         backends=NOT_GPU, versions="<0.17.0"),
+    Skip(UT + "distributed/mfsdp_v2/test_dbuffer.py::test_release_and_reallocate_storage_preserves_buffer_views",
+         "cuda", "expects the storage reallocated after release_storage() at the address it had: CUDA's "
+         "caching allocator hands back the block it just took; the CPU allocator gives any address "
+         "(the views follow the storage on both)", backends=NOT_GPU, versions=">=0.19.0"),
+    Skip(UT + "distributed/test_torch_fully_sharded_parallel.py::test_fsdp2_swiglu_sharded_tensor_factory",
+         "ranks", "TP2 with a data-parallel size of 2 or more (its offset table is TP2 x DP4): at DP1 the "
+         "fused W/V weight builds two shards, where the test expects one", needs_world=4),
     Skip(UT + "tensor_parallel/test_random.py::test_double_fork_cuda_rng_states_tracker[[]True]", "cuda",
          "use_cudagraphable_rng=True asserts torch.cuda.CUDAGraph.register_generator_state and "
          "graph-safe CUDA generator states", backends=NOT_GPU),
@@ -228,6 +240,9 @@ SKIPS: list[Skip] = [
     Skip(UT + "test_tokenizer.py::*", "download",
          "fetches the GPT-2 vocab / merges from s3.amazonaws.com (core_v0.16.1's tokenizer tests)",
          versions=">=0.15.0,<0.17.0"),
+    Skip(UT + "ssm/test_hybrid_block.py::TestHybridBlock::test_gdn_gpu_forward", "cuda",
+         "runs a GatedDeltaNet layer forward: fla's Triton kernels (chunk_gated_delta_rule); " + TRITON_GPU_ONLY,
+         backends=NOT_GPU, versions=">=0.19.0"),
     Skip(UT + "ssm/test_gated_delta_net.py::*", "cuda",
          "Gated DeltaNet runs flash-linear-attention's Triton kernels (fla-core 0.6.0 from the "
          "registries: chunk_gated_delta_rule, l2norm); " + TRITON_GPU_ONLY, backends=NOT_GPU),
@@ -352,7 +367,9 @@ TE_CLASS_MODULES = {UT + "models/mimo/test_mimo_1f1b_schedule.py",
                     UT + "dist_checkpointing/models/test_mamba.py",
                     UT + "transformer/test_transformer_block_custom_pgs.py",
                     # TE-named linears' initialisation at TP1 against TP4 (the provider's classes)
-                    UT + "tensor_parallel/test_initialization.py"}
+                    UT + "tensor_parallel/test_initialization.py",
+                    # checks the hybrid spec's MLA core attention against the TEDotProductAttention it imports
+                    UT + "ssm/test_hybrid_block.py"}
 
 
 def _rank() -> int:
@@ -647,7 +664,9 @@ def _guard_world_size(utils_cls):
         cp = kwargs.get("context_parallel_size", 1)
         ep = kwargs.get("expert_model_parallel_size", 1)
         etp = kwargs.get("expert_tensor_parallel_size") or tp
-        for need, what in ((tp * pp * cp, f"TP{tp} x PP{pp} x CP{cp}"), (ep * etp * pp, f"EP{ep} x ETP{etp} x PP{pp}")):
+        dopt = kwargs.get("num_distributed_optimizer_instances") or 1   # each instance a DP subgroup
+        for need, what in ((tp * pp * cp, f"TP{tp} x PP{pp} x CP{cp}"), (ep * etp * pp, f"EP{ep} x ETP{etp} x PP{pp}"),
+                           (tp * pp * cp * dopt, f"TP{tp} x PP{pp} x CP{cp} x {dopt} distributed-optimizer instances")):
             reason = _ranks_reason(need, what)
             if reason:
                 _leave_a_parallel_state(original)
