@@ -127,10 +127,16 @@ def test_all_gather_into_tensor_takes_nccls_shapes_over_gloo(tmp_path):
         "out = torch.empty(2, 3, 4, device='cuda')\n"
         "dist.all_gather_into_tensor(out, torch.full((1, 1, 3, 4), float(r), device='cuda'))\n"
         "same = torch.empty(2, 3, 4); dist.all_gather_into_tensor(same, torch.full((1, 3, 4), float(r)))\n"
+        # uneven parts (Megatron-FSDP's uneven DTensor shards): NCCL gathers them, gloo raised
+        "parts = [torch.empty(3, 2), torch.empty(0, 2)]\n"
+        "dist.all_gather(parts, torch.full((3, 2) if r == 0 else (0, 2), 5.0 + r))\n"
+        "work = dist.all_gather(parts, torch.full((3, 2) if r == 0 else (0, 2), 7.0), async_op=True); work.wait()\n"
         f"open(r'{tmp_path}' + f'/rank{{r}}.txt', 'w').write("
-        "f'gathered {r} {out[0].eq(0).all().item()} {out[1].eq(1).all().item()} {torch.equal(out, same)}')\n"
+        "f'gathered {r} {out[0].eq(0).all().item()} {out[1].eq(1).all().item()} {torch.equal(out, same)} '\n"
+        "f'{parts[0].eq(7).all().item()} {parts[1].shape}')\n"
         "dist.destroy_process_group()\n")
     proc = _python(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
                     str(script)], timeout=180, OMP_NUM_THREADS="1")
     for r in (0, 1):     # one file per rank: the two ranks' stdout interleave
-        assert (tmp_path / f"rank{r}.txt").read_text() == f"gathered {r} True True True", proc.stdout
+        assert (tmp_path / f"rank{r}.txt").read_text() == f"gathered {r} True True True True torch.Size([0, 2])", \
+            proc.stdout + proc.stderr[-3000:]
