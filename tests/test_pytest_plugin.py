@@ -148,6 +148,22 @@ def test_after_the_container():
 def test_listed_in_the_skip_table():
     raise AssertionError("the skip table should have skipped this")
 
+def test_destroy_frees_the_groups():
+    # Megatron's destroy_model_parallel() forgets its gloo groups; each keeps threads alive
+    import os, torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron_adapt.apps.ports import free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        before = len(os.listdir("/proc/self/task"))
+        for _ in range(3):
+            ps.initialize_model_parallel(1, 1)
+            ps.destroy_model_parallel()
+        after = len(os.listdir("/proc/self/task"))
+        assert after < before + 10, (before, after)
+    finally:
+        dist.destroy_process_group()
+
 from megatron.core.hyper_comm_grid import HyperCommGrid
 
 class TestGridOfEight:
@@ -269,6 +285,7 @@ def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
     assert tests["TestSetUpOnce::test_sets_up_a_calculator_then_asks_for_more_ranks"]["outcome"] == "skipped", tests
     assert tests["TestSetUpOnce::test_next_can_set_up_its_calculator"]["outcome"] == "passed", tests
     assert tests["test_after_the_container"]["outcome"] == "passed", tests["test_after_the_container"]
+    assert tests["test_destroy_frees_the_groups"]["outcome"] == "passed", tests["test_destroy_frees_the_groups"]
     assert tests["test_layout_parsing[8]"]["outcome"] == "passed", tests
     te_classes = {k: v for k, v in report["tests"].items() if "test_hybrid_model.py" in k}
     assert len(te_classes) == 2 and all(v["outcome"] == "passed" for v in te_classes.values()), te_classes
