@@ -41,10 +41,24 @@ OUTCOMES = ("passed", "failed", "skipped", "error")
 # Megatron's CI (tests/unit_tests/run_ci_test.sh, ENVIRONMENT=dev) leaves out the tests it marks flaky
 # in that environment; its LTS environment leaves out `flaky` ones instead.
 MEGATRON_CI_MARKER = "not flaky_in_dev"
+# Some tests skip themselves "for LTS test" unless NVIDIA_PYTORCH_VERSION (the NGC PyTorch container's
+# release, which Megatron's CI images set) is above 25.05 (test_layer_wise_optimizer.py,
+# test_emerging_optimizers.py, core_v0.16.1's test_muon_optimizer.py). Megatron reads it nowhere else.
+# With the dev selection above, the runs say they are the dev environment, unless the caller set it.
+DEV_NGC_RELEASE = "25.09"
 
 
 def file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
+
+
+def run_environment(args, lm) -> dict:
+    env = dict(os.environ, MEGATRON_LM_PATH=lm, MEGATRON_ADAPT_BACKEND=args.backend,
+               MEGATRON_ADAPT_QUIET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.pop("MEGATRON_ADAPT_AUTO", None)  # these runs are under megatron-adapt by definition
+    if args.marker == MEGATRON_CI_MARKER:
+        env.setdefault("NVIDIA_PYTORCH_VERSION", DEV_NGC_RELEASE)
+    return env
 
 
 def run(name, targets, args, lm):
@@ -63,9 +77,7 @@ def run(name, targets, args, lm):
            "--megatron-adapt-json", os.path.join(out, "rank{rank}.json"),
            "--megatron-adapt-test-timeout", str(args.test_timeout),
            *(["-m", args.marker] if args.marker else []), *args.pytest_args, *targets]
-    env = dict(os.environ, MEGATRON_LM_PATH=lm, MEGATRON_ADAPT_BACKEND=args.backend,
-               MEGATRON_ADAPT_QUIET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    env.pop("MEGATRON_ADAPT_AUTO", None)  # these runs are under megatron-adapt by definition
+    env = run_environment(args, lm)
     # Megatron's conftest puts checkpoints in <pytest's temp root>/tmp_dist_ckpt, one folder for
     # every pytest session of the user: runs side by side overwrote each other's checkpoints
     # (FileNotFoundError on .metadata.tmp). Each run gets its own temp root, shared by its ranks.

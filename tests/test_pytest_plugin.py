@@ -371,3 +371,21 @@ def test_deselected_tests_are_recorded(tmp_path):
     assert marked == ["tests/unit_tests/test_marked.py::test_flaky_in_dev"], report["deselected"]
     assert report["markexpr"] == "not flaky_in_dev", report
     assert report["tests"]["tests/unit_tests/test_marked.py::test_runs"]["outcome"] == "passed", proc.stdout[-2000:]
+
+
+def test_the_script_runs_megatrons_dev_environment(monkeypatch):
+    """With Megatron CI's dev selection, the runs set NVIDIA_PYTORCH_VERSION above 25.05, which the
+    tests that skip themselves "for LTS test" read (a value the caller set is kept)."""
+    import argparse
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "megatron_unit_tests.py")
+    spec = importlib.util.spec_from_file_location("megatron_unit_tests_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.delenv("NVIDIA_PYTORCH_VERSION", raising=False)
+    dev = argparse.Namespace(backend="cpu", marker=script.MEGATRON_CI_MARKER)
+    assert script.run_environment(dev, "/lm")["NVIDIA_PYTORCH_VERSION"] == script.DEV_NGC_RELEASE
+    assert "NVIDIA_PYTORCH_VERSION" not in script.run_environment(argparse.Namespace(backend="cpu", marker=""), "/lm")
+    monkeypatch.setenv("NVIDIA_PYTORCH_VERSION", "24.01")
+    assert script.run_environment(dev, "/lm")["NVIDIA_PYTORCH_VERSION"] == "24.01"
