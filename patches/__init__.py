@@ -22,6 +22,7 @@ AREAS = (
     "checkpoint_hardening",
     "multi_tensor",
     "grad_accum_fusion",
+    "collectives",
     "moe",
     "layer_specs",
     "offloading",
