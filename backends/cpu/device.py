@@ -19,6 +19,7 @@ backend installs it; it never changes behaviour on a machine that has CUDA.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import types
@@ -413,6 +414,20 @@ def _wrap_backward_apply(original):
     return apply
 
 
+def _wrap_hook_registration(original):
+    """Autograd runs tensor hooks with an empty torch-function-mode stack too (Megatron-FSDP fetches
+    its gradient buffers with `device="cuda"` in a post-accumulate-grad hook): each hook registered
+    while the layer is installed runs under the mode."""
+    def register(self, hook):
+        def run(*args, **kwargs):
+            if _mode is None or torch._C._len_torch_function_stack() > 0:
+                return hook(*args, **kwargs)
+            with _mode:
+                return hook(*args, **kwargs)
+        return original(self, functools.wraps(hook)(run) if callable(hook) else hook)
+    return register
+
+
 def _wrap_thread_bootstrap(original):
     """A TorchFunctionMode is active in the thread that entered it only. Megatron runs work on
     other Python threads too (the static inference engine's `run_in_executor`, the dynamic engine's
@@ -475,6 +490,8 @@ def install() -> None:
     from torch.autograd.function import BackwardCFunction
 
     _set(BackwardCFunction, "apply", _wrap_backward_apply(BackwardCFunction.apply))
+    for name in ("register_hook", "register_post_accumulate_grad_hook"):
+        _set(torch.Tensor, name, _wrap_hook_registration(getattr(torch.Tensor, name)))
     # Megatron requires this with TP > 1 on pre-Blackwell "devices"; the CPU has no connections.
     if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"

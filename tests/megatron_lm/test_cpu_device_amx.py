@@ -113,6 +113,21 @@ def test_threads_map_the_accelerator_to_the_cpu_too():
     assert "reverted True" in proc.stdout, proc.stdout
 
 
+def test_autograd_hooks_map_the_accelerator_to_the_cpu_too():
+    """Autograd runs tensor hooks with an empty mode stack; Megatron-FSDP allocates its gradient
+    buckets on 'cuda' in a post-accumulate-grad hook (on cpu: "Found no NVIDIA driver")."""
+    code = ("import torch, megatron_adapt\n"
+            "megatron_adapt.apply('cpu')\n"
+            "p = torch.nn.Parameter(torch.ones(3)); x = torch.ones(3, requires_grad=True)\n"
+            "seen = []\n"
+            "p.register_post_accumulate_grad_hook(lambda t: seen.append(str(torch.zeros(1, device='cuda').device)))\n"
+            "x.register_hook(lambda g: seen.append(str(torch.zeros(1, device='cuda').device)) or g * 2)\n"
+            "(p * x).sum().backward()\n"
+            "print('hooks', sorted(seen), x.grad.tolist())\n")
+    proc = _python(["-c", code])
+    assert "hooks ['cpu', 'cpu'] [2.0, 2.0, 2.0]" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
 def test_all_gather_into_tensor_takes_nccls_shapes_over_gloo(tmp_path):
     """NCCL gathers any input of output.numel() / world elements; gloo wanted one output chunk's
     shape (Megatron's MoE layer gathers [1, 1, s, h] into [2, s, h]: RuntimeError on gloo)."""
