@@ -118,6 +118,13 @@ SKIPS: list[Skip] = [
       for t in ("TestFullyParallelSaveAndLoad::test_save_distribution[[]*",
                 "TestFullyParallelSaveAndLoad::test_load_distribution[[]*",
                 "TestCrossRanksReads::test_cross_dp_access_does_not_disturb_the_distribution")),
+    Skip(UT + "dist_checkpointing/test_optimizer.py::TestDistributedOptimizer::test_optimizer_common_state_dict"
+         "[[]tp_pp_ep1-False-False-True-*", "te",
+         "\"check 'step' is synced\": it simulates TE FusedAdam leaving 'step' unset in some param groups "
+         "(the test's own comment) and checks the per-group step Megatron's DistributedOptimizer keeps for TE / "
+         "apex (HAVE_APEX_OR_TE). Without them Megatron takes torch Adam's path, a step per parameter state, "
+         "and never reads the per-group step the test sets (stock Megatron with torch's Adam fails it too, on "
+         "cpu, 2 processes, core_v0.16.1; under megatron-adapt the same 2 cases fail on core_v0.19.0)"),
     Skip(UT + "tensor_parallel/test_random.py::test_double_fork_cuda_rng_states_tracker[[]True]", "cuda",
          "use_cudagraphable_rng=True asserts torch.cuda.CUDAGraph.register_generator_state and "
          "graph-safe CUDA generator states", backends=NOT_GPU),
