@@ -518,6 +518,24 @@ def _():
     return {"helpers_import": True, "ops": report.op_counts().get("compile_helpers", {})}
 
 
+@check("collectives")
+def _():
+    """Megatron-FSDP's gradient reduce with --gradient-reduce-div-fusion: NCCL's premultiplied sum, which
+    gloo refuses at the reduce ("Cannot use ReduceOp.PREMUL_SUM with Gloo"): scale, then SUM."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buffer
+
+    fused = DistributedDataParallelConfig(gradient_reduce_div_fusion=True, average_in_collective=False)
+    out = {}
+    for dtype, scale in ((torch.float32, 0.5), (torch.bfloat16, 0.5), (torch.float32, None)):
+        grad = torch.full((8,), 3.0, dtype=dtype)   # fp32: the fused branch; bf16 / None: Megatron's own
+        op = fsdp_buffer.gradient_reduce_preprocessing(grad, scale, fused)
+        reduced = torch.empty(8, dtype=dtype)
+        dist.reduce_scatter_tensor(reduced, grad, op=op)
+        out[f"{dtype}-{scale}"] = {"sum": op == dist.ReduceOp.SUM, "reduced": reduced.tolist()}
+    return out
+
+
 @check("grad_accum_fusion")
 def _():
     """ColumnParallelLinear with Megatron's default gradient_accumulation_fusion: the weight

@@ -320,6 +320,16 @@ class TestTraining(PatchContract):
         assert res["helpers_import"] and res["ops"], res
 
 
+class TestCollectives(PatchContract):
+    area = "collectives"
+
+    def test_premultiplied_sum_becomes_scale_then_sum_on_gloo(self):
+        res = consumer("collectives")
+        for case in ("torch.float32-0.5", "torch.bfloat16-0.5"):
+            assert res[case] == {"sum": True, "reduced": [1.5] * 8}, res
+        assert res["torch.float32-None"] == {"sum": True, "reduced": [3.0] * 8}, res
+
+
 class TestGradAccumFusion(PatchContract):
     area = "grad_accum_fusion"
 
