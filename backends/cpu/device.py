@@ -407,11 +407,16 @@ def _wrap_backward_apply(original):
     """Autograd runs Function.backward with an empty torch-function-mode stack; Megatron's backward
     passes allocate on `torch.cuda.current_device()` too, so re-enter the mode there."""
     def apply(self, *args):
-        if _mode is None or torch._C._len_torch_function_stack() > 0:
-            return original(self, *args)
-        with _mode:
-            return original(self, *args)
+        return _in_the_mode(original, self, *args)
     return apply
+
+
+def _in_the_mode(fn, *args, **kwargs):
+    """fn under the layer's mode where autograd left the mode stack empty."""
+    if _mode is None or torch._C._len_torch_function_stack() > 0:
+        return fn(*args, **kwargs)
+    with _mode:
+        return fn(*args, **kwargs)
 
 
 def _wrap_hook_registration(original):
@@ -419,12 +424,9 @@ def _wrap_hook_registration(original):
     its gradient buffers with `device="cuda"` in a post-accumulate-grad hook): each hook registered
     while the layer is installed runs under the mode."""
     def register(self, hook):
-        def run(*args, **kwargs):
-            if _mode is None or torch._C._len_torch_function_stack() > 0:
-                return hook(*args, **kwargs)
-            with _mode:
-                return hook(*args, **kwargs)
-        return original(self, functools.wraps(hook)(run) if callable(hook) else hook)
+        if not callable(hook):
+            return original(self, hook)
+        return original(self, functools.wraps(hook)(functools.partial(_in_the_mode, hook)))
     return register
 
 
@@ -473,20 +475,14 @@ def install() -> None:
             # `new_group` global, with backend="nccl"
             if name == "new_group" and distributed_c10d is not dist:
                 _set(distributed_c10d, name, wrapped)
-        # Both names: P2POp validates its op against distributed_c10d's own `isend` global.
-
-        gather = _wrap_all_gather_into_tensor(distributed_c10d.all_gather_into_tensor)
-        _set(dist, "all_gather_into_tensor", gather)
-        if distributed_c10d is not dist:
-            _set(distributed_c10d, "all_gather_into_tensor", gather)
-        gather_list = _wrap_all_gather(distributed_c10d.all_gather)
-        _set(dist, "all_gather", gather_list)
-        if distributed_c10d is not dist:
-            _set(distributed_c10d, "all_gather", gather_list)
-        isend = _wrap_isend(distributed_c10d.isend)
-        _set(dist, "isend", isend)
-        if distributed_c10d is not dist:
-            _set(distributed_c10d, "isend", isend)
+        # Both names: P2POp validates its op against distributed_c10d's own `isend` global, and
+        # callers reach the gathers through either module.
+        for name, wrap in (("all_gather_into_tensor", _wrap_all_gather_into_tensor),
+                           ("all_gather", _wrap_all_gather), ("isend", _wrap_isend)):
+            wrapped = wrap(getattr(distributed_c10d, name))
+            _set(dist, name, wrapped)
+            if distributed_c10d is not dist:
+                _set(distributed_c10d, name, wrapped)
     from torch.autograd.function import BackwardCFunction
 
     _set(BackwardCFunction, "apply", _wrap_backward_apply(BackwardCFunction.apply))

@@ -691,8 +691,8 @@ def _guard_world_size(utils_cls):
         ep = kwargs.get("expert_model_parallel_size", 1)
         etp = kwargs.get("expert_tensor_parallel_size") or tp
         dopt = kwargs.get("num_distributed_optimizer_instances") or 1   # each instance a DP subgroup
-        for need, what in ((tp * pp * cp, f"TP{tp} x PP{pp} x CP{cp}"), (ep * etp * pp, f"EP{ep} x ETP{etp} x PP{pp}"),
-                           (tp * pp * cp * dopt, f"TP{tp} x PP{pp} x CP{cp} x {dopt} distributed-optimizer instances")):
+        dense = f"TP{tp} x PP{pp} x CP{cp}" + (f" x {dopt} distributed-optimizer instances" if dopt > 1 else "")
+        for need, what in ((tp * pp * cp * dopt, dense), (ep * etp * pp, f"EP{ep} x ETP{etp} x PP{pp}")):
             reason = _ranks_reason(need, what)
             if reason:
                 _leave_a_parallel_state(original)
