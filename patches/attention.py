@@ -10,6 +10,12 @@ after the scale as TE's post_scale_bias) goes to the backend's `attention_bias` 
 and additive float masks keep Megatron's own path, reported as a fallback. TE's (query, key)
 padding-mask pair (T5's cross attention) becomes one bool mask.
 
+`--attention-backend unfused` (`config.attention_backend`) keeps Megatron's own unfused math
+(baddbmm + softmax + bmm), the counterpart of TE's UnfusedDotProductAttention that Megatron asks
+TE for with that backend: explicit scores, a deterministic backward, and the tensors an unfused
+attention saves (Megatron's fine-grained offloading test counts them). Reported as
+`attention megatron.unfused`.
+
 Packed sequences (`packed_seq_params.qkv_format == "thd"`: q/k/v [T, heads, d], Megatron's
 Attention squeezed the batch of 1) go to the backend's `attention_thd` op with the PackedSeqParams'
 cu_seqlens (and cu_seqlens_*_padded), causal within each sequence for the causal mask types, the
@@ -48,7 +54,7 @@ def build(backend, original):
     attention = backend.op("attention")
     from megatron_adapt.core import active_config
     batch_first = active_config().attention_layout == "bshd"
-    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 
     def unsupported(self, attention_mask, attn_mask_type, attention_bias, packed_seq_params):
         if getattr(self, "softmax_offset", None) is not None:
@@ -89,6 +95,10 @@ def build(backend, original):
             attention_mask = padding_pair_mask(attention_mask, query.size(0), key.size(0))
         if packed_seq_params is not None:
             return forward_thd(self, query, key, value, attn_mask_type, attention_bias, packed_seq_params)
+        if getattr(self.config, "attention_backend", None) == AttnBackend.unfused:
+            report.ran("attention", "megatron.unfused")
+            return original(self, query, key, value, attention_mask, attn_mask_type,
+                            attention_bias, packed_seq_params)
         why = unsupported(self, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
         if why:
             report.fell_back("attention", "megatron.DotProductAttention", why)

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import types
 from contextlib import nullcontext
 
@@ -102,6 +103,35 @@ def device_local_cpus(backend) -> set[int] | None:
     return (cpus & os.sched_getaffinity(0)) or None   # none of them allowed here: leave it
 
 
+_noticed = []
+
+
+def single_queue_notice(backend, s: dict) -> str | None:
+    """The notice (printed once per process, rank 0) when offloading runs on cuda under
+    CUDA_DEVICE_MAX_CONNECTIONS=1. One hardware queue serialises the side-stream copies with the
+    compute kernels: measured (scripts/offload_overlap_probe.py, one H100, 2 of 16 layers at the
+    0.95B bench model's shapes) the step took 1.15x with 1 connection and 1.03x with 8, the
+    device-to-host copies 32 % and 94 % hidden. Megatron asks for 1 only with tensor or context
+    parallelism on Hopper and earlier, so the notice says whether this run could do without."""
+    offloading = s.get("cpu_offloading") or s.get("fine_grained_activation_offloading")
+    if (not offloading or backend.name != "cuda" or _noticed
+            or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1"):
+        return None
+    _noticed.append(True)
+    tp, cp = s.get("tensor_model_parallel_size") or 1, s.get("context_parallel_size") or 1
+    advice = (f"this run has tensor parallel {tp} and context parallel {cp}, for which Megatron asks for "
+              "1 on Hopper and earlier: expect the copies to add to the step"
+              if tp > 1 or cp > 1 else
+              "Megatron asks for 1 only with tensor or context parallelism (on Hopper and earlier), and this "
+              "run has neither: unset CUDA_DEVICE_MAX_CONNECTIONS (or set it to 8) to hide the copies")
+    message = ("activation offloading on the cuda backend with CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware "
+               "queue runs the offload copies in turn with the compute kernels, so the copies are not hidden "
+               f"behind the compute; {advice} (docs/model-families.md, activation offloading)")
+    if report._rank() == 0:
+        print(f"megatron-adapt: notice: {message}", file=sys.stderr, flush=True)
+    return message
+
+
 def offload_refusal(backend, s: dict) -> str | None:
     if not s.get("cpu_offloading"):
         return None
@@ -117,11 +147,19 @@ def offload_refusal(backend, s: dict) -> str | None:
     return None
 
 
+def offload_start(backend, s: dict) -> str | None:
+    """The start-up check: the single-queue notice, then the refusal (or None)."""
+    single_queue_notice(backend, s)
+    return offload_refusal(backend, s)
+
+
 start_checks.register(
     AREA, "offload",
-    from_args=offload_refusal,
-    from_config=lambda backend, config: offload_refusal(backend, {
-        n: getattr(config, n, None) for n in ("cpu_offloading", "cpu_offloading_weights", "cuda_graph_impl")}))
+    from_args=offload_start,
+    from_config=lambda backend, config: offload_start(backend, {
+        n: getattr(config, n, None) for n in ("cpu_offloading", "cpu_offloading_weights", "cuda_graph_impl",
+                                              "fine_grained_activation_offloading",
+                                              "tensor_model_parallel_size", "context_parallel_size")}))
 
 
 SPECS = [

@@ -39,6 +39,8 @@
 #      in the steep first iterations)
 #      FP8_RECIPE [tensorwise]: tensorwise | delayed | blockwise, FP8_FORMAT [hybrid]: hybrid | e4m3, for the fp8 runs;
 #      MASTER_PORT [29561]: torchrun's port (two runs at once on two GPUs need two)
+#      MAX_CONNECTIONS [1]: CUDA_DEVICE_MAX_CONNECTIONS for every run (Megatron's examples set 1; activation
+#      offloading hides its copies only with more than one hardware queue: docs/model-families.md)
 #      NPROC [1]: GPUs (processes); with EXTRA_ARGS="--tensor-model-parallel-size 2" etc. for model parallelism
 #      FP8_ARGS [""]: more fp8 flags for them (e.g. "--fp8-amax-history-len 1024 --fp8-amax-compute-algo max")
 #      e.g. RUNS="adapt adapt_fp8" FP8_RECIPE=delayed scripts/bench_e2e.sh OUT
@@ -47,7 +49,7 @@ set -euo pipefail
 OUTDIR=${1:?usage: scripts/bench_e2e.sh OUTDIR}; mkdir -p "$OUTDIR"
 ITERS=${ITERS:-50}; WARMUP=${WARMUP:-10}; PEAK_TFLOPS=${PEAK_TFLOPS:-989}; RUNS=${RUNS:-"stock adapt adapt_graphs"}; PRESET=${PRESET:-llama-0.95b}
 HERE=$(cd "$(dirname "$0")" && pwd)
-export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONUNBUFFERED=1
+export CUDA_DEVICE_MAX_CONNECTIONS=${MAX_CONNECTIONS:-1} PYTHONUNBUFFERED=1
 
 COMMON=(
     --tokenizer-type NullTokenizer --mock-data --split 949,50,1 --bf16
@@ -91,7 +93,7 @@ FP8=(--fp8-format "${FP8_FORMAT:-hybrid}" --fp8-recipe "${FP8_RECIPE:-tensorwise
 if command -v megatron-adapt-run >/dev/null; then ADAPT=(megatron-adapt-run); else ADAPT=(python3 -m megatron_adapt.launcher); fi
 TORCHRUN=(python3 -m torch.distributed.run --nproc-per-node "${NPROC:-1}" --master-port "${MASTER_PORT:-29561}")
 
-echo "$(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) vCPU" > "$OUTDIR/host_cpu.txt" || true
+echo "$(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc --all) vCPU" > "$OUTDIR/host_cpu.txt" || true
 nvidia-smi --query-gpu=name --format=csv,noheader -i 0 > "$OUTDIR/gpu.txt" 2>/dev/null || true
 
 peak_smi() {  # sample nvidia-smi's used memory (and SM busy %, dmon) while $1 runs; print the peak (MiB)

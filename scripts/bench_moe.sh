@@ -64,7 +64,7 @@ ALL_BUT_MOE=cuda_graphs,jit,rng,training,cross_entropy,norms,softmax,attention,r
 if command -v megatron-adapt-run >/dev/null; then ADAPT=(megatron-adapt-run); else ADAPT=(python3 -m megatron_adapt.launcher); fi
 TORCHRUN=(timeout "$RUN_TIMEOUT" python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port 29561)
 
-echo "$(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) vCPU" > "$OUTDIR/host_cpu.txt" || true
+echo "$(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc --all) vCPU" > "$OUTDIR/host_cpu.txt" || true
 nvidia-smi --query-gpu=name --format=csv,noheader -i 0 > "$OUTDIR/gpu.txt" 2>/dev/null || true
 echo "moe (issue 13: 16 x 2048, 8 experts top-2)" > "$OUTDIR/preset.txt"
 

@@ -10,7 +10,7 @@ set -u
 OUT=${1:?usage: families_gpu.sh OUTDIR}; mkdir -p "$OUT"
 LM=${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a core_v0.16.1 checkout}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-echo "host: $(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) vCPU"; nvidia-smi -L
+echo "host: $(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc --all) vCPU"; nvidia-smi -L
 D=$(mktemp -d)
 PYTHONPATH=${PYTHONPATH:-}:$HERE/tests/megatron_lm python3 -c "
 from pathlib import Path; import wordpiece_data as w

@@ -149,15 +149,21 @@ class _Softmax(torch.autograd.Function):
             launch(_softmax_fwd, (rows,), x, y, mk if mk is not None else x, np_, sq, sk, scale, *strides,
                                   left, right, HAS_MASK=mk is not None, MODE=mode, BLOCK=block,
                                   LOOP=loop, num_warps=warps)
-        ctx.save_for_backward(y, mk)
-        ctx.args = (scale, mode, left, right, strides)
+        # The mask is an input, often one [b, 1, sq, sk] tensor shared by every layer: kept on ctx,
+        # not among the saved tensors, so an activation offloader (Megatron's fine-grained one,
+        # megatron-adapt's layer-wise one) neither copies it nor counts it; its broadcast view
+        # would be materialised there at b * np * sq * sk bytes.
+        ctx.save_for_backward(y)
+        ctx.mask = mask
+        ctx.args = (scale, mode, left, right)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        y, mk = ctx.saved_tensors
-        scale, mode, left, right, strides = ctx.args
+        y, = ctx.saved_tensors
+        scale, mode, left, right = ctx.args
         b, np_, sq, sk = y.shape
+        mk, strides = _mask_args(ctx.mask, b, np_, sq, sk)
         dy = dy.contiguous()
         dx = torch.empty_like(y)
         block, loop, warps = _cfg(sk)

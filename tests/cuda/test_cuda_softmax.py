@@ -58,3 +58,18 @@ def test_fully_masked_row_is_uniform():
     mask = torch.ones(1, 1, 2, 9, dtype=torch.bool, device=DEVICE)
     y = softmax.scaled_masked_softmax(x, mask, 2.0, False, None, True)
     assert torch.allclose(y, torch.full_like(y, 1 / 9))
+
+
+def test_the_mask_is_not_a_saved_tensor():
+    """Only the probabilities go through autograd's saved-tensor hooks: an activation offloader
+    would otherwise copy the mask's broadcast view at b * np * sq * sk bytes per layer (Megatron's
+    fine-grained offloading test counted 16 MiB a layer that offloading never freed)."""
+    b, np_, sq, sk = 2, 4, 8, 16
+    x = torch.randn(b, np_, sq, sk, device=DEVICE).requires_grad_()
+    mask = (torch.rand(b, 1, sq, sk) > 0.7).to(DEVICE)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = softmax.scaled_masked_softmax(x, mask, 0.5, False, None, True)
+    assert [tuple(t.shape) for t in saved] == [(b, np_, sq, sk)] and saved[0].dtype == y.dtype
+    y.backward(torch.ones_like(y))
+    assert (x.grad[mask.expand_as(x)] == 0).all()

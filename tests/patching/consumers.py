@@ -319,6 +319,34 @@ def _():
     return out
 
 
+@check("attention_unfused")
+def _():
+    """--attention-backend unfused: Megatron's own unfused math (TE's UnfusedDotProductAttention
+    with TE), not the backend's fused op; the report names it."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    nvte = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+    for name in nvte:     # the models built before (backend auto) set them; Megatron asserts on a change
+        os.environ.pop(name, None)
+    model, config = make_model(attention_backend=AttnBackend.unfused)
+    for name in nvte:
+        os.environ.pop(name, None)
+    core = model.decoder.layers[0].self_attention.core_attention
+    q, k, v = (torch.randn(16, 2, 4, 8, requires_grad=True) for _ in range(3))
+    impls_before = dict(report.op_counts().get("attention", {}))
+    y = core(q, k, v, None)
+    y.square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    y_ref = original("megatron.core.transformer.dot_product_attention:DotProductAttention.forward")(core, q, k, v, None)
+    y_ref.square().sum().backward()
+    after = report.op_counts().get("attention", {})
+    return {"new_calls": {impl: n - impls_before.get(impl, 0) for impl, n in after.items()
+                          if n != impls_before.get(impl, 0)},
+            "equal": bool(torch.equal(y, y_ref)) and all(torch.equal(g, t.grad) for g, t in zip(grads, (q, k, v)))}
+
+
 @check("rope")
 def _():
     from megatron.core.models.common.embeddings import rope_utils

@@ -109,6 +109,10 @@ class TestAttention(PatchContract):
         for groups in ("groups4", "groups2"):
             assert res[groups] == {"calls": 3, "matches": True, "causal_mask_matches": True}, res
 
+    def test_attention_backend_unfused_keeps_megatrons_unfused_math(self):
+        res = consumer("attention_unfused")
+        assert res == {"new_calls": {"megatron.unfused": 1}, "equal": True}, res
+
     def test_provider_linears_built_plain_are_instances_of_the_spec_class(self):
         res = consumer("provider_classes_isinstance")
         for name, r in res.items():

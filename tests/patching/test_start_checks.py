@@ -253,3 +253,36 @@ def test_cp_comm_type_refusal_from_settings(backend, settings, expected):
         assert got is None, got
     else:
         assert got is not None and got.startswith(expected.format(b=backend)), got
+
+
+@pytest.mark.parametrize("backend,settings,env,expected", [
+    ("cuda", {"cpu_offloading": True}, "1", "unset CUDA_DEVICE_MAX_CONNECTIONS"),
+    ("cuda", {"fine_grained_activation_offloading": True}, "1", "unset CUDA_DEVICE_MAX_CONNECTIONS"),
+    ("cuda", {"cpu_offloading": True, "tensor_model_parallel_size": 2}, "1", "expect the copies to add to the step"),
+    ("cuda", {"cpu_offloading": True}, None, None),       # several queues: the copies overlap
+    ("cuda", {"cpu_offloading": True}, "8", None),
+    ("cuda", {"cpu_offloading": False}, "1", None),
+    ("cpu", {"cpu_offloading": True}, "1", None),         # host copies: no queue to share
+    ("npu", {"cpu_offloading": True}, "1", None),
+])
+def test_offloading_under_one_hardware_queue_gets_a_notice(backend, settings, env, expected, monkeypatch, capsys):
+    """Offloading on cuda with CUDA_DEVICE_MAX_CONNECTIONS=1 does not refuse: it says, once, that the
+    copies will not be hidden, and whether this run could unset the variable."""
+    import types
+
+    from megatron_adapt.patches import offloading
+
+    monkeypatch.setattr(offloading, "_noticed", [])
+    if env is None:
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", env)
+    b = types.SimpleNamespace(name=backend)
+    assert offloading.offload_start(b, settings) is None          # never a refusal
+    err = capsys.readouterr().err
+    if expected is None:
+        assert err == ""
+        return
+    assert err.count("megatron-adapt: notice: activation offloading") == 1 and expected in err, err
+    offloading.offload_start(b, settings)                          # once per process
+    assert capsys.readouterr().err == ""
