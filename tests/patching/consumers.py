@@ -561,6 +561,14 @@ def _():
         reduced = torch.empty(8, dtype=dtype)
         dist.reduce_scatter_tensor(reduced, grad, op=op)
         out[f"{dtype}-{scale}"] = {"sum": op == dist.ReduceOp.SUM, "reduced": reduced.tolist()}
+    # inference's broadcast from the last pipeline stage asserts the tensor is on the accelerator
+    from megatron.core.inference import communication_utils
+
+    try:
+        sent = communication_utils.broadcast_from_last_pipeline_stage([2, 3], torch.float32, torch.ones(2, 3))
+        out["inference_broadcast"] = sent.tolist()
+    except AssertionError as e:
+        out["inference_broadcast"] = f"AssertionError {e}"
     return out
 
 

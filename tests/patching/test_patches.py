@@ -333,6 +333,10 @@ class TestCollectives(PatchContract):
             assert res[case] == {"sum": True, "reduced": [1.5] * 8}, res
         assert res["torch.float32-None"] == {"sum": True, "reduced": [3.0] * 8}, res
 
+    def test_inference_broadcast_takes_the_backends_tensors(self):
+        res = consumer("collectives")
+        assert res["inference_broadcast"] == [[1.0] * 3] * 2, res
+
 
 class TestGradAccumFusion(PatchContract):
     area = "grad_accum_fusion"
@@ -559,3 +563,32 @@ def test_every_patch_area_has_a_contract_subclass():
         # otherwise it must have specs to probe here.
         if any(in_range(s.versions, version) for s in declared):
             assert specs_of(area), f"area {area} has no megatron-core specs to test"
+
+
+def test_te_rng_tracker_request_becomes_megatrons_graph_safe_tracker():
+    """cuda backend, no TE: initialize_rng_tracker(use_te_rng_tracker=True) asks for a tracker CUDA
+    graphs can capture; Megatron's own graph-safe one is passed on (without it, Megatron builds the
+    plain tracker and a capture asserts "RNG tracker does not support cudagraphs!")."""
+    import types
+
+    import wrapt
+
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron_adapt.patches import rng
+
+    seen = []
+
+    def initialize_rng_tracker(use_te_rng_tracker=False, inference_rng_tracker=False,
+                               use_cudagraphable_rng=False, force_reset=False):
+        seen.append((use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset))
+
+    if getattr(mrandom, "HAVE_TE", True):
+        pytest.skip("Transformer Engine installed: the patch steps aside")
+    wrapped = wrapt.FunctionWrapper(initialize_rng_tracker, rng.build_initialize_rng_tracker(
+        types.SimpleNamespace(name="cuda"), initialize_rng_tracker))
+    wrapped(use_te_rng_tracker=True, force_reset=True)
+    wrapped(True, True)
+    wrapped()
+    wrapped(use_cudagraphable_rng=True)
+    assert seen == [(True, False, True, True), (True, True, True, False), (False, False, False, False),
+                    (False, False, True, False)]
