@@ -343,6 +343,12 @@ SKIPS: list[Skip] = [
            "batch size and differ by about 1e-4 (H100 host, 2 processes)", backends=NOT_GPU, versions=v)
       for f, v in (("test_text_generation_controller", ">=0.19.0,<0.20.0"),
                    ("test_simple_text_generation_controller", ">=0.15.0,<0.17.0"))),
+    Skip(UT + "inference/engines/test_static_engine.py::TestStaticInferenceEngine::test_streaming", "cuda",
+         "samples 10 tokens from a random model with the tokenizer's eod set to a token it can sample "
+         "(vocab_size - 1): whether a draw ends a request early depends on the device's random stream. "
+         "CUDA's draws miss it; the CPU generator's hit it (two outputs of equal length, then the "
+         "stream ends early). core_v0.19.0's version sets an eod it cannot sample, and passes on cpu",
+         backends=NOT_GPU, versions=">=0.15.0,<0.17.0"),
     Skip(UT + "transformer/test_cuda_graphs.py::TestInlineCaptureManager::*", "cuda",
          "core 0.19's inline capture of one function records it as a torch.cuda.CUDAGraph on a side "
          "torch.cuda.Stream (torch.cuda.set_stream rejects a CPU stream)", backends=NOT_GPU, versions=">=0.19.0"),
