@@ -170,6 +170,20 @@ def _rank() -> int:
     return 0
 
 
+_said: set[str] = set()
+
+
+def say_once(message: str, key: str | None = None) -> None:
+    """Print `megatron-adapt: <message>` to stderr once per process (under `key`, default the
+    message itself), on rank 0 only: start-up notes that Megatron's start-up may reach twice."""
+    key = message if key is None else key
+    if key in _said:
+        return
+    _said.add(key)
+    if _rank() == 0:
+        print(f"megatron-adapt: {message}", file=sys.stderr, flush=True)
+
+
 def print_startup_table(quiet: bool) -> None:
     if not quiet and _rank() == 0:
         print(format_table(), file=sys.stderr, flush=True)

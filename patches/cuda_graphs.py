@@ -351,14 +351,12 @@ def build_switch(backend, original):
             message = f"{setting}: running eager: {why_not}"
             if not config.cuda_graphs_chosen and backend.name != "cuda":
                 message = None      # the default on a backend without graphs: the report has it
-        if message and report._rank() == 0 and message not in _SAID:   # pretrain_gpt parses more than once
-            _SAID.add(message)
-            print(f"megatron-adapt: {message}", file=sys.stderr, flush=True)
+        if message:
+            report.say_once(message)   # pretrain_gpt parses more than once
         return ns
     return parse_args
 
 
-_SAID: set[str] = set()
 
 
 def build_eval_eager(backend, original):

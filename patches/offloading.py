@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import types
 from contextlib import nullcontext
 
@@ -103,9 +102,6 @@ def device_local_cpus(backend) -> set[int] | None:
     return (cpus & os.sched_getaffinity(0)) or None   # none of them allowed here: leave it
 
 
-_noticed = []
-
-
 def single_queue_notice(backend, s: dict) -> str | None:
     """The notice (printed once per process, rank 0) when offloading runs on cuda under
     CUDA_DEVICE_MAX_CONNECTIONS=1. One hardware queue serialises the side-stream copies with the
@@ -114,10 +110,8 @@ def single_queue_notice(backend, s: dict) -> str | None:
     device-to-host copies 32 % and 94 % hidden. Megatron asks for 1 only with tensor or context
     parallelism on Hopper and earlier, so the notice says whether this run could do without."""
     offloading = s.get("cpu_offloading") or s.get("fine_grained_activation_offloading")
-    if (not offloading or backend.name != "cuda" or _noticed
-            or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1"):
+    if not offloading or backend.name != "cuda" or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
         return None
-    _noticed.append(True)
     tp, cp = s.get("tensor_model_parallel_size") or 1, s.get("context_parallel_size") or 1
     advice = (f"this run has tensor parallel {tp} and context parallel {cp}, for which Megatron asks for "
               "1 on Hopper and earlier: expect the copies to add to the step"
@@ -127,8 +121,7 @@ def single_queue_notice(backend, s: dict) -> str | None:
     message = ("activation offloading on the cuda backend with CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware "
                "queue runs the offload copies in turn with the compute kernels, so the copies are not hidden "
                f"behind the compute; {advice} (docs/model-families.md, activation offloading)")
-    if report._rank() == 0:
-        print(f"megatron-adapt: notice: {message}", file=sys.stderr, flush=True)
+    report.say_once(f"notice: {message}", key="offloading: one hardware queue")
     return message
 
 

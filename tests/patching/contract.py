@@ -28,7 +28,6 @@ class PatchContract:
     """Subclasses set `area`; every spec of that area is checked in every scenario."""
 
     area: str = ""
-    cpu_applies = True  # False for specs whose backends exclude cpu
     env: tuple = ()     # (name, value) pairs the probes run with (an area behind a switch)
 
     def _targets(self):

@@ -100,10 +100,9 @@ PARSE = textwrap.dedent("""
     scope_flag = "--cuda-graph-modules" if (package_info.MAJOR, package_info.MINOR) >= (0, 19) else "--cuda-graph-scope"
     # the switch as the cuda backend applies it, around Megatron's own (unwrapped) parse_args
     switch = build_switch(types.SimpleNamespace(name="cuda"), None)
-    from megatron_adapt.patches import cuda_graphs
     for argv in {cases!r}:            # each case as its own launch: the start-up line is said once per process
         report.reset_op_counts()
-        cuda_graphs._SAID.clear()
+        report._said.clear()
         sys.argv = ["pretrain_gpt.py", *[scope_flag if a == "SCOPE" else a for a in argv]]
         err, out = io.StringIO(), {{}}
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

@@ -272,7 +272,9 @@ def test_offloading_under_one_hardware_queue_gets_a_notice(backend, settings, en
 
     from megatron_adapt.patches import offloading
 
-    monkeypatch.setattr(offloading, "_noticed", [])
+    from megatron_adapt import report
+
+    monkeypatch.setattr(report, "_said", set())
     if env is None:
         monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     else:
