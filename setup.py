@@ -31,7 +31,8 @@ setup(
         "megatron": ["megatron-core>=0.15.0,<0.20"] + MEGATRON_LM_RUNTIME,
         "test": ["pytest>=7", "pytest-mock", "mock", "megatron-core>=0.15.0,<0.20", "triton", "numpy", "liger-kernel", "matplotlib"] + MEGATRON_LM_RUNTIME,
         "sft": SFT_RUNTIME,  # only the --sft stock-script tests need them (they skip without)
-        "cuda": ["triton>=3.0", "nvidia-cudnn-frontend>=1.22"],   # cudnn: packed (thd) attention on Hopper
+        "cuda": ["triton>=3.0", "nvidia-cudnn-frontend>=1.22",   # cudnn: packed (thd) attention on Hopper
+                 "nvmath-python>=1.0"],   # cuBLASLt beta=1: the fp8 wgrad accumulates into main_grad in the GEMM
         "liger": ["liger-kernel"],  # candidates the cuda backend uses where they measure faster
         "flash_attn": ["flash-attn-4[cu13]>=4.0.0b36"],  # FlashAttention-4 (CuTe DSL), same rule
         "npu": [],  # torch_npu comes from Ascend's own index, matched to the CANN toolkit

@@ -227,12 +227,14 @@ def _wgrad_sink(weight, fusion: bool):
 
     def sink(dw):
         weight.main_grad = main_grad
-        main_grad.add_(dw)
+        if dw is not None:   # None: the backend's GEMM already added into sink.main_grad
+            main_grad.add_(dw)
         if not hasattr(weight, "grad_added_to_main_grad"):
             return None
         make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
         weight.grad_added_to_main_grad = True
         return make(main_grad.shape, dtype=weight.dtype, device=main_grad.device)
+    sink.main_grad = main_grad
     return sink
 
 

@@ -24,6 +24,7 @@ import torch
 from megatron_adapt import report
 from megatron_adapt.backends.fp8_scaling import FP8_MAX, Fp8Scaling, current_scale
 
+from . import fp8_wgrad
 from ._common import cdiv, interpreting
 from .moe import group_offsets, grouped_gemm
 
@@ -200,14 +201,32 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool, scaling: Fp8S
     return _cast_torch(x, dtype, transpose, scale, amax)
 
 
+def _wgrad_into(main_grad, dy8t, x8t, sg_inv, sx_inv) -> bool:
+    """main_grad += dy^T x inside the GEMM (cuBLASLt's beta = 1) where fp8_wgrad can (True); else
+    False, and the caller adds cuBLASLt's fp32 dW in a second pass (the report names the path)."""
+    why = fp8_wgrad.why_not(main_grad, dy8t, x8t)
+    if why is not None:
+        report.ran("fp8_wgrad", f"{dy8t.device.type}.scaled_mm+main_grad.add_")
+        fp8_wgrad.say_why_once(why)
+        return False
+    report.ran("fp8_wgrad", "cuda.cublaslt(beta=1, nvmath)")
+    fp8_wgrad.accumulate(main_grad, dy8t, x8t, sg_inv, sx_inv)
+    return True
+
+
 def _gemm(a, b, scale_a, scale_b, out_dtype, fast_accum):
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
                             use_fast_accum=fast_accum and a.is_cuda)
 
 
-def _wgrad(ctx, dy2, xs, fp8_gemm):
+def _wgrad(ctx, dy2, xs, fp8_gemm, accumulate=None):
     """The weight gradient: fp8_gemm(out_dtype) with fp8 wgrad on (Megatron's --fp8-wgrad), else
-    dy^T x in the gradient's dtype; fp32 when it goes to the sink (main_grad), which returns it."""
+    dy^T x in the gradient's dtype; fp32 when it goes to the sink (main_grad), which returns it.
+    `accumulate(main_grad)`, where given and the sink exposes main_grad, adds the fp8 GEMM into it
+    in place; the sink is then called with None (already added)."""
+    target = getattr(ctx.sink, "main_grad", None)
+    if ctx.fp8_wgrad and target is not None and accumulate is not None and accumulate(target):
+        return ctx.sink(None)
     out_dtype = torch.float32 if ctx.sink is not None else ctx.w_dtype
     dw = fp8_gemm(out_dtype) if ctx.fp8_wgrad else torch.matmul(dy2.t(), xs.to(dy2.dtype)).to(out_dtype)
     return ctx.sink(dw) if ctx.sink is not None else dw
@@ -244,7 +263,8 @@ class _Fp8Linear(torch.autograd.Function):
         if need_dgrad:
             dx = _gemm(dy8, w8t.t(), sg_inv, sw_inv, dy.dtype, False).reshape(ctx.x_shape)
         if need_wgrad:
-            dw = _wgrad(ctx, dy2, xs, lambda out: _gemm(dy8t, xs.t(), sg_inv, sx_inv, out, False))
+            dw = _wgrad(ctx, dy2, xs, lambda out: _gemm(dy8t, xs.t(), sg_inv, sx_inv, out, False),
+                        lambda mg: _wgrad_into(mg, dy8t, xs, sg_inv, sx_inv))
         if ctx.use_bias:
             db = dy2.sum(0)
         if r.recipe == "delayed":

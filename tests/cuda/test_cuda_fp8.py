@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_adapt import report
-from megatron_adapt.backends.cuda import fp8
+from megatron_adapt.backends.cuda import fp8, fp8_wgrad
 from megatron_adapt.backends.fp8_scaling import FP8_MAX, Fp8Recipe, Fp8Scaling
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -194,6 +194,96 @@ def test_wgrad_sink_gets_fp32_and_its_return_is_the_grad(torch_cast_on_cpu):
     w2 = w.detach().clone().requires_grad_()
     fp8.fp8_linear(x, w2, None, Fp8Scaling(Fp8Recipe(), DEV)).float().sum().backward()
     torch.testing.assert_close(main_grad - 1, w2.grad.float(), rtol=1e-2, atol=1e-2)
+
+
+def _nvmath_or_skip():
+    if DEV != "cuda":
+        pytest.skip("cuBLASLt's in-place accumulation runs on a GPU")
+    if fp8_wgrad.unavailable():
+        pytest.skip(fp8_wgrad.unavailable())
+
+
+@pytest.mark.parametrize("m,n,k", [(48, 32, 96), (16, 64, 80), (272, 400, 1040)])
+def test_wgrad_accumulate_adds_the_scaled_fp8_product_into_fp32(m, n, k):
+    """cuBLASLt with beta = 1 in place (nvmath-python): c += sa * sb * a @ b^T, against the fp32
+    product of the same fp8 operands; a second shape-equal call reuses the plan with new operands."""
+    _nvmath_or_skip()
+    torch.manual_seed(7)
+    for _ in range(2):
+        a = (torch.randn(m, k, device=DEV) * 4).to(E5)
+        b = (torch.randn(n, k, device=DEV) * 40).to(E4)
+        sa, sb = torch.tensor([0.25], device=DEV), torch.tensor([0.01], device=DEV)
+        c = torch.randn(m, n, device=DEV)
+        ref = c + (a.float() @ b.float().t()) * 0.0025
+        assert fp8_wgrad.why_not(c, a, b) is None
+        fp8_wgrad.accumulate(c, a, b, sa, sb)
+        torch.testing.assert_close(c, ref, **exact_tol(ref - ref.mean(), forward=False))
+
+
+def test_wgrad_accumulate_replays_in_a_cuda_graph():
+    _nvmath_or_skip()
+    a = torch.randn(64, 128, device=DEV).to(E5)
+    b = torch.randn(32, 128, device=DEV).to(E4)
+    s = torch.ones(1, device=DEV)
+    c = torch.zeros(64, 32, device=DEV)
+    fp8_wgrad.accumulate(c, a, b, s, s)    # planned outside the capture, as Megatron's warm-up runs do
+    c.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8_wgrad.accumulate(c, a, b, s, s)
+    c.zero_()
+    graph.replay()
+    graph.replay()
+    ref = 2 * (a.float() @ b.float().t())
+    torch.testing.assert_close(c, ref, **exact_tol(ref, forward=False))
+
+
+def test_wgrad_accumulate_is_refused_for_what_it_cannot_take():
+    a, b = torch.zeros(32, 64).to(E5), torch.zeros(16, 64).to(E4)
+    assert "cpu" in fp8_wgrad.why_not(torch.zeros(32, 16), a, b)
+    if DEV == "cuda":
+        a, b = a.cuda(), b.cuda()
+        assert "bfloat16" in fp8_wgrad.why_not(torch.zeros(32, 16, device=DEV, dtype=torch.bfloat16), a, b)
+        assert "contiguous" in fp8_wgrad.why_not(torch.zeros(16, 32, device=DEV).t(), a, b)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fp8_wgrad_accumulates_into_the_sinks_main_grad_in_the_gemm(recipe, monkeypatch, torch_cast_on_cpu):
+    """A sink that exposes main_grad (Megatron's gradient-accumulation fusion, patches/fp8.py) gets
+    the wgrad added by the GEMM itself and is called with None; main_grad then equals the add path's
+    (a sink without the attribute: fp32 dW from cuBLASLt, added by the sink). On CPU the in-place
+    GEMM is stood in for by the same math, to check the protocol; on a GPU it is cuBLASLt's."""
+    if DEV == "cpu":
+        monkeypatch.setattr(fp8_wgrad, "why_not", lambda c, a, b: None)
+        monkeypatch.setattr(fp8_wgrad, "accumulate",
+                            lambda c, a, b, sa, sb: c.add_((a.float() @ b.float().t()) * (sa * sb)))
+    else:
+        _nvmath_or_skip()
+    torch.manual_seed(8)
+    x = torch.randn(64, 48, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(32, 48, device=DEV, dtype=torch.bfloat16)
+    dy = torch.randn(64, 32, device=DEV, dtype=torch.bfloat16)
+    grads, calls = [], []
+    report.reset_op_counts()
+    for fused in (True, False):
+        main_grad = torch.full((32, 48), 0.5, device=DEV)
+
+        def sink(dw, main_grad=main_grad):
+            calls.append(dw is None)
+            if dw is not None:
+                main_grad.add_(dw)
+            return torch.zeros(main_grad.shape, dtype=torch.bfloat16, device=DEV)
+        if fused:
+            sink.main_grad = main_grad
+        wi = w.clone().requires_grad_()
+        scaling = Fp8Scaling(Fp8Recipe(recipe=recipe), DEV)
+        fp8.fp8_linear(x.clone().requires_grad_(), wi, None, scaling, sink).backward(dy)
+        grads.append(main_grad)
+        assert torch.equal(wi.grad, torch.zeros_like(wi))
+    assert calls == [True, False]
+    assert report.op_counts()["fp8_wgrad"] == {"cuda.cublaslt(beta=1, nvmath)": 1}
+    torch.testing.assert_close(grads[0], grads[1], **exact_tol(grads[1] - 0.5, forward=False))
+    assert not torch.equal(grads[0], torch.full_like(grads[0], 0.5))
 
 
 def test_fp8_wgrad_off_keeps_wgrad_in_high_precision(torch_cast_on_cpu):

@@ -1,0 +1,81 @@
+"""The fp8 weight gradient added into fp32 `main_grad` by the GEMM itself: cuBLASLt with beta = 1,
+in place, through nvmath-python's stateful `Matmul` (NVIDIA's Python API to cuBLASLt).
+
+`torch._scaled_mm` has no beta: it writes an fp32 dW, and a second kernel adds that into
+`main_grad` (Megatron's gradient-accumulation fusion), so the fp32 gradient is written, read twice
+and written again. TE's wgrad GEMM accumulates in cuBLASLt's epilogue; this does the same.
+Measured on an H100 (`scripts/fp8_wgrad_bench.py --nvmath`, docs/fp8.md): 1.2-1.5x the GEMM + add
+at the bench models' wgrad shapes, the same numerics (the same cuBLASLt fp8 kernels, split
+accumulation), and it replays inside CUDA graphs. A Triton GEMM with the add in its epilogue ran
+at 0.72-0.90x the GEMM + add there, so it is not used.
+
+One plan per (shapes, dtypes, device), made at the first call (cuBLASLt's heuristic; not during a
+CUDA-graph capture, whose warm-up runs make it first) and kept; later calls swap the operands in
+without validation, run on the current stream (a capture's too), and drop the references. A plan
+owns one cuBLASLt workspace, so calls of one shape must not run on two streams at once: Megatron
+runs a rank's wgrad GEMMs in one stream's order. Without nvmath-python
+(`pip install "megatron-adapt[cuda]"`) the caller keeps `_scaled_mm` + `add_`: the report names the
+path that ran, and the missing library is said once.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from megatron_adapt import report
+
+_plans: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable() -> str | None:
+    """None when nvmath-python's cuBLASLt Matmul imports here, else why not."""
+    try:
+        import nvmath.linalg.advanced  # noqa: F401
+    except Exception as e:   # noqa: BLE001 - not installed, or its CUDA bindings do not load
+        return f"nvmath-python does not import ({type(e).__name__}: {e})"
+    return None
+
+
+def why_not(c, a, b) -> str | None:
+    """None where accumulate(c, a, b, ...) serves this wgrad, else why not."""
+    if not (a.is_cuda and b.is_cuda and c.is_cuda):
+        return f"tensors on {a.device.type}"
+    if c.dtype != torch.float32 or not c.is_contiguous():
+        return f"main_grad is {c.dtype}{'' if c.is_contiguous() else ', not contiguous'} (the fused path adds into fp32)"
+    if c.shape != (a.shape[0], b.shape[0]) or a.stride(1) != 1 or b.stride(1) != 1:
+        return "operand layouts"
+    if unavailable() is not None:
+        return unavailable()
+    if _key(c, a, b) not in _plans and torch.cuda.is_current_stream_capturing():
+        return "first call inside a CUDA-graph capture (cuBLASLt's planning synchronizes)"
+    return None
+
+
+def say_why_once(why: str) -> None:
+    if why == unavailable():
+        report.say_once(f"megatron-adapt: the fp8 wgrad GEMM writes an fp32 dW that a second pass adds into "
+                        f"main_grad, because {why}. pip install \"megatron-adapt[cuda]\" (nvmath-python) "
+                        f"for cuBLASLt's in-place accumulation (docs/fp8.md).", key="fp8_wgrad_nvmath")
+
+
+def _key(c, a, b):
+    return (tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, c.device)
+
+
+def accumulate(c, a, b, scale_a, scale_b) -> None:
+    """c += scale_a * scale_b * a @ b^T: a [M, K], b [N, K] fp8 (K contiguous: dy^T and x^T),
+    c [M, N] fp32 contiguous, the scales [1] fp32 on the device."""
+    key = _key(c, a, b)
+    scales = {"a": scale_a, "b": scale_b}
+    mm = _plans.get(key)
+    if mm is None:
+        from nvmath.linalg.advanced import Matmul
+        mm = Matmul(a, b.t(), c=c, beta=1.0, quantization_scales=scales, options={"inplace": True})
+        mm.plan()
+        _plans[key] = mm
+    else:
+        mm.reset_operands_unchecked(a=a, b=b.t(), c=c, quantization_scales=scales)
+    mm.execute(stream=torch.cuda.current_stream(c.device))
+    mm.release_operands()   # stream-ordered: the caching allocator reuses them only after this GEMM
