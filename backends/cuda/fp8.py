@@ -4,7 +4,8 @@
 - forward  y  = x @ W^T      e4m3 x e4m3, bf16/fp16 out, fast accumulation (as TE's fprop);
 - dgrad    dx = dy @ W       dy in e5m2 (`hybrid`) or e4m3, W e4m3, split accumulation;
 - wgrad    dW = dy^T @ x     the same operands, fp32 out (handed to `wgrad_sink`, e.g. Megatron's
-                             main_grad accumulation) or weight.dtype.
+                             main_grad accumulation) or weight.dtype; where the sink exposes an fp32
+                             main_grad, added into it by cuBLASLt itself (fp8_wgrad.py, beta = 1).
 Scales follow `scaling` (megatron_adapt.backends.fp8_scaling: tensorwise = current scaling,
 delayed = amax history; blockwise = a scale per 1 x 128 run and 128 x 128 weight block, served by
 `_Fp8BlockLinear` below through cuBLASLt's block-scaled GEMMs on Hopper). cuBLASLt wants A row-major and B column-major with every dimension a
