@@ -180,6 +180,9 @@ def attention_thd(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded=None
     windows and non-causal calls add a key-padding mask. Sequences whose q and kv lengths differ
     go one by one through `attention` on that path."""
     reference.check_thd(q, k, v)
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _varlen_on_device(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                                 causal, scale, dropout_p, window_size)
     segs_q = reference.thd_segments(cu_seqlens_q, cu_seqlens_q_padded, q.size(0), "cu_seqlens_q")
     segs_kv = reference.thd_segments(cu_seqlens_kv, cu_seqlens_kv_padded, k.size(0), "cu_seqlens_kv")
     if len(segs_q) != len(segs_kv):
@@ -292,6 +295,44 @@ def _varlen(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_size):
         return q.new_zeros(q.shape).index_copy(0, rows_q, out)
     n = out.size(0)
     return out if n == q.size(0) else torch.cat([out, out.new_zeros((q.size(0) - n,) + tuple(out.shape[1:]))])
+
+
+def _rows_in_sequences(cu_slots, cu_seqlens, total):
+    """[total] bool on the device: row r holds a token of some sequence (not a slot's padding, not
+    past the last slot). No host reads: capture-safe."""
+    rows = torch.arange(total, device=cu_slots.device, dtype=cu_slots.dtype)
+    seg = (torch.searchsorted(cu_slots, rows, right=True) - 1).clamp_(0, cu_slots.numel() - 2)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return ((rows - cu_slots[seg]) < lengths[seg]) & (rows < cu_slots[-1])
+
+
+def _varlen_on_device(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_q_padded, cu_kv_padded, causal, scale, dropout_p,
+                      window_size):
+    """Packed attention inside a CUDA-graph capture (Megatron's --cuda-graph-impl local, e.g. RL's
+    get_logprobs with sequence packing): the offsets stay on the device, since a capture cannot read
+    them on the host and a replay may bring others. One varlen flash call over the sequences' slots,
+    with the token counts as the bound on a sequence's length; rows outside every sequence (a slot's
+    padding, rows past the last slot) go in as 0 and come out as 0, so their gradients are 0 too."""
+    why = _varlen_why_not(q, k, v)
+    if why is not None:
+        raise RuntimeError(f"packed (thd) attention inside a CUDA-graph capture needs torch's varlen flash "
+                           f"kernel on the cuda backend: {why}")
+    if (cu_q_padded is None) != (cu_kv_padded is None):
+        raise RuntimeError("packed (thd) attention inside a CUDA-graph capture: padded slots for q but not "
+                           "kv (or the reverse) are not served")
+    if cu_q_padded is not None and not causal:
+        raise RuntimeError("packed (thd) attention inside a CUDA-graph capture: padded sequence slots "
+                           "(cu_seqlens_*_padded) are served for causal attention only")
+    cu_q = (cu_seqlens_q if cu_q_padded is None else cu_q_padded).to(torch.int32)
+    cu_k = (cu_seqlens_kv if cu_kv_padded is None else cu_kv_padded).to(torch.int32)
+    in_q = _rows_in_sequences(cu_q, cu_seqlens_q.to(torch.int32), q.size(0))[:, None, None]
+    in_k = _rows_in_sequences(cu_k, cu_seqlens_kv.to(torch.int32), k.size(0))[:, None, None]
+    zero = q.new_zeros(())
+    q, k, v = torch.where(in_q, q, zero), torch.where(in_k, k, zero), torch.where(in_k, v, zero)
+    left, right = (None, None) if window_size is None else (int(window_size[0]), int(window_size[1]))
+    report.ran("attention_thd", "cuda.flash.varlen(device offsets, captured)")
+    out = _FlashVarlen.apply(q, k, v, cu_q, cu_k, q.size(0), k.size(0), causal, scale, dropout_p, left, right)
+    return torch.where(in_q, out, zero)
 
 
 def _per_sequence(q, k, v, segs_q, segs_kv, causal, scale, dropout_p, window_size):

@@ -104,3 +104,51 @@ def test_varlen_gather_offsets_and_scatter(monkeypatch, case):
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"{case} {name}: {m}")
     assert _VarlenOnCpu.calls == 1
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="torch's varlen flash kernel runs on a GPU only")
+@pytest.mark.parametrize("case", list(thd_cases.CASES))
+def test_device_offsets_path_matches_block_diagonal_attention(case):
+    """The path a CUDA-graph capture takes (offsets never read on the host), run eagerly: forward and
+    backward against the fp32 truth, padding rows 0 in the output and in every gradient."""
+    reset()
+    q, k, v, kw, truth = thd_cases.make(case, torch.bfloat16, device=DEVICE)
+    args = [kw[n] for n in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
+                            "causal", "scale", "dropout_p", "window_size")]
+    got = thd_cases.grads(lambda q, k, v: attn._varlen_on_device(q, k, v, *args), q, k, v)
+    want = thd_cases.grads(truth, q.float(), k.float(), v.float())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=lambda m: f"{case} {name}: {m}")
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
+def test_a_captured_call_follows_the_offsets_of_each_replay():
+    """Megatron's graph runners capture packed attention once and replay it with new cu_seqlens
+    (RL's get_logprobs): the replay's output equals the eager path's for the offsets of that replay,
+    empty sequences (repeated offsets, as RL's default packing makes) included."""
+    reset()
+    q, k, v, kw, _ = thd_cases.make("uneven", torch.bfloat16, device=DEVICE)
+    cu = kw["cu_seqlens_q"].clone()
+    static = dict(kw, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attn.attention_thd(q, k, v, **static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attn.attention_thd(q, k, v, **static)
+    assert "cuda.flash.varlen(device offsets, captured)" in ran_impl("attention_thd")
+    for lengths in ([5, 1, 9, 3], [2, 8, 4, 4], [18, 0, 0, 0], [3, 3, 0, 4]):
+        cu.copy_(thd_cases.cu(lengths).to(DEVICE))
+        graph.replay()
+        want = attn.attention_thd(q, k, v, **dict(kw, cu_seqlens_q=cu.clone(), cu_seqlens_kv=cu.clone()))
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"{lengths}: {m}")
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
+def test_padded_slots_without_causal_are_refused_in_a_capture():
+    q, k, v, kw, _ = thd_cases.make("padded", torch.bfloat16, device=DEVICE)
+    with pytest.raises(RuntimeError, match="causal attention only"):
+        attn._varlen_on_device(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_kv"], kw["cu_seqlens_q_padded"],
+                               kw["cu_seqlens_kv_padded"], False, 0.37, 0.0, None)
