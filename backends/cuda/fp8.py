@@ -207,7 +207,8 @@ def _wgrad_into(main_grad, dy8t, x8t, sg_inv, sx_inv) -> bool:
     False, and the caller adds cuBLASLt's fp32 dW in a second pass (the report names the path)."""
     why = fp8_wgrad.why_not(main_grad, dy8t, x8t)
     if why is not None:
-        report.ran("fp8_wgrad", f"{dy8t.device.type}.scaled_mm+main_grad.add_")
+        report.ran("fp8_wgrad", f"{dy8t.device.type}.scaled_mm+main_grad.add_"
+                                f"{' (eager)' if why is fp8_wgrad.EAGER else ''}")
         fp8_wgrad.say_why_once(why)
         return False
     report.ran("fp8_wgrad", "cuda.cublaslt(beta=1, nvmath)")

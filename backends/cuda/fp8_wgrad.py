@@ -4,10 +4,14 @@ in place, through nvmath-python's stateful `Matmul` (NVIDIA's Python API to cuBL
 `torch._scaled_mm` has no beta: it writes an fp32 dW, and a second kernel adds that into
 `main_grad` (Megatron's gradient-accumulation fusion), so the fp32 gradient is written, read twice
 and written again. TE's wgrad GEMM accumulates in cuBLASLt's epilogue; this does the same.
-Measured on an H100 (`scripts/fp8_wgrad_bench.py --nvmath`, docs/fp8.md): 1.2-1.5x the GEMM + add
-at the bench models' wgrad shapes, the same numerics (the same cuBLASLt fp8 kernels, split
-accumulation), and it replays inside CUDA graphs. A Triton GEMM with the add in its epilogue ran
-at 0.72-0.90x the GEMM + add there, so it is not used.
+Measured on an H100 (`scripts/fp8_wgrad_bench.py`, docs/fp8.md): 1.2-1.5x the GEMM + add at the
+bench models' wgrad shapes, the same numerics (the same cuBLASLt fp8 kernels, split accumulation),
+and it replays inside CUDA graphs. A Triton GEMM with the add in its epilogue ran at 0.72-0.90x the
+GEMM + add there, so it is not used. nvmath's call costs more host time (about 55 against 28 us),
+which made the host-bound eager fp8 step slower (0.95B: 556 against 520 ms), so eager calls keep
+`_scaled_mm` + `add_` after a shape's first call: the in-place GEMM runs where its host time is
+spent once, inside CUDA-graph captures (the default on one GPU), and at each shape's first call,
+which makes its plan and workspace before Megatron's capture.
 
 One plan per (shapes, dtypes, device), made at the first call (cuBLASLt's heuristic; not during a
 CUDA-graph capture, whose warm-up runs make it first) and kept; later calls swap the operands in
@@ -26,6 +30,9 @@ import torch
 from megatron_adapt import report
 
 _plans: dict = {}
+EAGER = ("eager: nvmath's call costs about 25 us more host time than _scaled_mm + add_, and eager fp8 "
+         "steps wait on the host (docs/fp8.md); the in-place GEMM runs at a shape's first call (its plan) "
+         "and inside CUDA-graph captures")
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,12 +55,17 @@ def why_not(c, a, b) -> str | None:
         return "operand layouts"
     if unavailable() is not None:
         return unavailable()
-    if _key(c, a, b) not in _plans and torch.cuda.is_current_stream_capturing():
-        return "first call inside a CUDA-graph capture (cuBLASLt's planning synchronizes)"
+    planned = _key(c, a, b) in _plans
+    if torch.cuda.is_current_stream_capturing():
+        return None if planned else "first call inside a CUDA-graph capture (cuBLASLt's planning synchronizes)"
+    if planned:
+        return EAGER
     return None
 
 
+
 def say_why_once(why: str) -> None:
+    """The missing library is said once; the other reasons are the report's (its fp8_wgrad rows)."""
     if why == unavailable():
         report.say_once(f"megatron-adapt: the fp8 wgrad GEMM writes an fp32 dW that a second pass adds into "
                         f"main_grad, because {why}. pip install \"megatron-adapt[cuda]\" (nvmath-python) "

@@ -209,13 +209,13 @@ def test_wgrad_accumulate_adds_the_scaled_fp8_product_into_fp32(m, n, k):
     product of the same fp8 operands; a second shape-equal call reuses the plan with new operands."""
     _nvmath_or_skip()
     torch.manual_seed(7)
+    fp8_wgrad._plans.clear()
     for _ in range(2):
         a = (torch.randn(m, k, device=DEV) * 4).to(E5)
         b = (torch.randn(n, k, device=DEV) * 40).to(E4)
         sa, sb = torch.tensor([0.25], device=DEV), torch.tensor([0.01], device=DEV)
         c = torch.randn(m, n, device=DEV)
         ref = c + (a.float() @ b.float().t()) * 0.0025
-        assert fp8_wgrad.why_not(c, a, b) is None
         fp8_wgrad.accumulate(c, a, b, sa, sb)
         torch.testing.assert_close(c, ref, **exact_tol(ref - ref.mean(), forward=False))
 
@@ -238,6 +238,23 @@ def test_wgrad_accumulate_replays_in_a_cuda_graph():
     torch.testing.assert_close(c, ref, **exact_tol(ref, forward=False))
 
 
+def test_in_place_runs_at_a_shapes_first_eager_call_and_inside_captures():
+    """Eager calls after a shape's first keep _scaled_mm + add_ (less host time: eager fp8 waits on
+    the host); the first call plans; a capture runs the plan."""
+    _nvmath_or_skip()
+    fp8_wgrad._plans.clear()
+    a, b = torch.randn(32, 64, device=DEV).to(E5), torch.randn(16, 64, device=DEV).to(E4)
+    c, s = torch.zeros(32, 16, device=DEV), torch.ones(1, device=DEV)
+    assert fp8_wgrad.why_not(c, a, b) is None
+    fp8_wgrad.accumulate(c, a, b, s, s)
+    assert fp8_wgrad.why_not(c, a, b) is fp8_wgrad.EAGER
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert fp8_wgrad.why_not(c, a, b) is None
+        fresh = fp8_wgrad.why_not(torch.zeros(48, 16, device=DEV), a.new_zeros(48, 64), b)
+    assert "first call inside a CUDA-graph capture" in fresh
+
+
 def test_wgrad_accumulate_is_refused_for_what_it_cannot_take():
     a, b = torch.zeros(32, 64).to(E5), torch.zeros(16, 64).to(E4)
     assert "cpu" in fp8_wgrad.why_not(torch.zeros(32, 16), a, b)
@@ -253,6 +270,7 @@ def test_fp8_wgrad_accumulates_into_the_sinks_main_grad_in_the_gemm(recipe, monk
     the wgrad added by the GEMM itself and is called with None; main_grad then equals the add path's
     (a sink without the attribute: fp32 dW from cuBLASLt, added by the sink). On CPU the in-place
     GEMM is stood in for by the same math, to check the protocol; on a GPU it is cuBLASLt's."""
+    monkeypatch.setattr(fp8_wgrad, "_plans", {})
     if DEV == "cpu":
         monkeypatch.setattr(fp8_wgrad, "why_not", lambda c, a, b: None)
         monkeypatch.setattr(fp8_wgrad, "accumulate",
