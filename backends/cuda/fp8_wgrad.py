@@ -8,7 +8,7 @@ Measured on an H100 (`scripts/fp8_wgrad_bench.py`, docs/fp8.md): 1.2-1.5x the GE
 bench models' wgrad shapes, the same numerics (the same cuBLASLt fp8 kernels, split accumulation),
 and it replays inside CUDA graphs. A Triton GEMM with the add in its epilogue ran at 0.72-0.90x the
 GEMM + add there, so it is not used. nvmath's call costs more host time (about 55 against 28 us),
-which made the host-bound eager fp8 step slower (0.95B: 556 against 520 ms), so eager calls keep
+which made the host-bound eager fp8 step slower (0.95B: 556 against 520 ms, one call), so eager calls keep
 `_scaled_mm` + `add_` after a shape's first call: the in-place GEMM runs where its host time is
 spent once, inside CUDA-graph captures (the default on one GPU), and at each shape's first call,
 which makes its plan and workspace before Megatron's capture.
