@@ -63,11 +63,10 @@ def why_not(c, a, b) -> str | None:
     return None
 
 
-
 def say_why_once(why: str) -> None:
     """The missing library is said once; the other reasons are the report's (its fp8_wgrad rows)."""
     if why == unavailable():
-        report.say_once(f"megatron-adapt: the fp8 wgrad GEMM writes an fp32 dW that a second pass adds into "
+        report.say_once(f"the fp8 wgrad GEMM writes an fp32 dW that a second pass adds into "
                         f"main_grad, because {why}. pip install \"megatron-adapt[cuda]\" (nvmath-python) "
                         f"for cuBLASLt's in-place accumulation (docs/fp8.md).", key="fp8_wgrad_nvmath")
 
