@@ -168,16 +168,39 @@ def thd_sequence_meta(cu_seqlens, cu_seqlens_padded, total, cp_size, cp_rank, de
 
 
 # ----------------------------------------------------------------------------- ring (p2p)
+SCORE_BYTES = 1 << 28   # a block's fp32 scores go in query-row chunks of at most this many bytes
+
+
+def _row_chunks(q, sk, drop):
+    """Query-row ranges whose fp32 scores [b, h, rows, sk] stay within SCORE_BYTES: a ring block of
+    4 x 32 heads x 2048 x 2048 is 2.1 GB a tensor, and its backward holds several at once (Megatron's
+    custom-process-group test at CP=2 on cpu). One range with dropout (its masks are drawn for the
+    whole block)."""
+    b, h, sq = q.shape[:3]
+    rows = sq if drop is not None else max(1, SCORE_BYTES // (4 * b * h * max(sk, 1)))
+    return [slice(r, min(r + rows, sq)) for r in range(0, sq, rows)]
+
+
+def _rows(ok, r):
+    return ok if ok.size(2) == 1 else ok[:, :, r]
+
+
 def _block_fwd(q, k, v, ok, scale, drop=None):
     """(out fp32, lse fp32 [b, h, sq]) of q against one block of keys; lse -inf where nothing is
     seen. drop = (dropout_p, seed): the block's probabilities dropped (the normaliser is not)."""
-    s = (q.float() @ _expand(k, q.size(1)).float().transpose(-1, -2)) * scale
-    s = s.masked_fill(~ok, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
-    if drop is not None:
-        p = p * _keep(p.shape, q.device, *drop)
-    return p @ _expand(v, q.size(1)).float(), lse
+    kk, vv = _expand(k, q.size(1)).float(), _expand(v, q.size(1)).float()
+    outs, lses = [], []
+    for r in _row_chunks(q, k.size(2), drop):
+        s = (q[:, :, r].float() @ kk.transpose(-1, -2)) * scale
+        s = s.masked_fill(~_rows(ok, r), float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+        del s
+        if drop is not None:
+            p = p * _keep(p.shape, q.device, *drop)
+        outs.append(p @ vv)
+        lses.append(lse)
+    return (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, 2), torch.cat(lses, 2))
 
 
 def _merge(out, lse, o, l):
@@ -191,19 +214,25 @@ def _merge(out, lse, o, l):
 
 def _block_bwd(q, k, v, ok, scale, out, dout, lse, drop=None):
     """Gradients (fp32) of one block from the final out / lse (flash-attention's backward, with
-    the forward's dropout masks drawn again from their seed)."""
+    the forward's dropout masks drawn again from their seed), in query-row chunks (_row_chunks)."""
     hq, hkv = q.size(1), k.size(1)
     kk, vv = _expand(k, hq).float(), _expand(v, hq).float()
-    s = (q.float() @ kk.transpose(-1, -2)) * scale
-    p = torch.exp(s.masked_fill(~ok, float("-inf")) - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
-    keep = _keep(p.shape, q.device, *drop) if drop is not None else None
-    dv = (p if keep is None else p * keep).transpose(-1, -2) @ dout
-    dp = dout @ vv.transpose(-1, -2)
-    if keep is not None:
-        dp = dp * keep
-    ds = p * (dp - (dout * out).sum(-1, keepdim=True))
-    dq = (ds @ kk) * scale
-    dk = (ds.transpose(-1, -2) @ q.float()) * scale
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dk, dv = torch.zeros_like(kk), torch.zeros_like(vv)
+    for r in _row_chunks(q, k.size(2), drop):
+        qr, do, lr = q[:, :, r].float(), dout[:, :, r], lse[:, :, r]
+        s = (qr @ kk.transpose(-1, -2)) * scale
+        p = torch.exp(s.masked_fill_(~_rows(ok, r), float("-inf")) - torch.where(torch.isinf(lr), 0.0, lr).unsqueeze(-1))
+        del s
+        keep = _keep(p.shape, q.device, *drop) if drop is not None else None
+        dv += (p if keep is None else p * keep).transpose(-1, -2) @ do
+        dp = do @ vv.transpose(-1, -2)
+        if keep is not None:
+            dp = dp * keep
+        ds = p.mul_(dp.sub_((do * out[:, :, r]).sum(-1, keepdim=True)))
+        del dp
+        dq[:, :, r] = (ds @ kk) * scale
+        dk += (ds.transpose(-1, -2) @ qr) * scale
     return dq, _reduce_heads(dk, hkv), _reduce_heads(dv, hkv)
 
 

@@ -272,3 +272,31 @@ def test_thd_sequence_meta_places_tokens_of_the_row_split():
     assert doc[0].tolist() == [-1, 1, -1, -1, -1, 2, 2, 2, 2, 2, 2, 2, 2, 2]
     with pytest.raises(ValueError, match="ends at 18, not at the 28 packed tokens"):
         cp.thd_sequence_meta(thd_cases.cu([5, 13]), None, 28, 2, 0)
+
+
+@pytest.mark.parametrize("drop", [None, (0.1, 1234)])
+def test_math_blocks_in_row_chunks_equal_one_chunk(monkeypatch, drop):
+    """The ring's math blocks go in query-row chunks that bound the fp32 scores' bytes
+    (SCORE_BYTES); chunks of 5 rows give what one chunk gives, forward and backward, GQA and a
+    causal load-balanced block included. With dropout the block stays one chunk (its masks are
+    drawn for the whole block)."""
+    from megatron_adapt.backends import context_parallel as cp
+    b, hq, hkv, s, d = 2, 4, 2, 24, 8
+    g = torch.Generator().manual_seed(3)
+    qpos, qdoc = cp.sbhd_meta(b, s, 2, 0)
+    kpos, kdoc = cp.sbhd_meta(b, s, 2, 1)
+    for ok in (cp.visible(qpos, qdoc, qpos, qdoc, True, None), cp.visible(qpos, qdoc, kpos, kdoc, True, None)):
+        q = torch.randn(b, hq, s, d, generator=g)
+        k, v = torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+        dout = torch.randn(b, hq, s, d, generator=g)
+        out1, lse1 = cp._block_fwd(q, k, v, ok, 0.3, drop)
+        grads1 = cp._block_bwd(q, k, v, ok, 0.3, out1, dout, lse1, drop)
+        monkeypatch.setattr(cp, "SCORE_BYTES", 4 * b * hq * s * 5)
+        assert len(cp._row_chunks(q, s, drop)) == (1 if drop else 5)
+        out2, lse2 = cp._block_fwd(q, k, v, ok, 0.3, drop)
+        grads2 = cp._block_bwd(q, k, v, ok, 0.3, out1, dout, lse1, drop)
+        monkeypatch.undo()
+        torch.testing.assert_close(out2, out1, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(lse2, lse1, atol=1e-6, rtol=1e-6)
+        for a, w in zip(grads2, grads1):
+            torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5)
