@@ -16,23 +16,14 @@ $OUT/fp8_blockwise_probe.json.
 """
 import json
 import os
-import platform
-import subprocess
 
 import torch
 import triton.testing
 
+from bench_host import cpu_model
+
 E4 = torch.float8_e4m3fn
 MAX = 448.0
-
-
-def cpu_model():
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        name = next(l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name"))
-        return f"{name}, {os.cpu_count()} vCPU"
-    except Exception:  # noqa: BLE001
-        return platform.processor()
 
 
 def quant_rows(x, block=128):
@@ -75,7 +66,7 @@ def tflops(m, n, k, ms):
 
 def main():
     dev = torch.cuda.get_device_name()
-    info = {"gpu": dev, "host_cpu": cpu_model(), "torch": torch.__version__,
+    info = {"gpu": dev, "host_cpu": f"{cpu_model()}, {os.cpu_count()} vCPU", "torch": torch.__version__,
             "cuda": torch.version.cuda, "capability": list(torch.cuda.get_device_capability()), "cases": []}
     print(f"host: {info['host_cpu']}; GPU: {dev}; torch {torch.__version__} (CUDA {torch.version.cuda})", flush=True)
     torch.manual_seed(0)

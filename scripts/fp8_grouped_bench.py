@@ -12,29 +12,15 @@ triton.testing.do_bench medians. Prints the host CPU and the GPU; writes $OUT/fp
 """
 import json
 import os
-import platform
-import subprocess
 
 import torch
-import triton.testing
 
+from bench_host import bench, cpu_model
 from megatron_adapt.backends.cuda import fp8
 from megatron_adapt.backends.cuda.moe import group_offsets, grouped_mm
 from megatron_adapt.backends.fp8_scaling import Fp8Recipe
 
 E4 = torch.float8_e4m3fn
-
-
-def cpu_model():
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name"))
-    except Exception:   # noqa: BLE001
-        return platform.processor()
-
-
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=10, rep=60)
 
 
 def main():

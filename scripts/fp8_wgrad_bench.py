@@ -20,15 +20,13 @@ largest value. triton.testing.do_bench medians; the host CPU and the GPU printed
 import argparse
 import json
 import os
-import platform
-import subprocess
 import time
 
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 
+from bench_host import bench, cpu_model
 from megatron_adapt.backends.cuda import fp8_wgrad
 
 
@@ -148,7 +146,6 @@ def gemm_accumulate(c, a, b, scale_a, scale_b, **config):
     return c
 
 
-
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
 # (model, linear, out, in, tokens)
@@ -175,18 +172,6 @@ SWEEP = [   # (label, kernel, config): the pointer kernel's tiles, then the TMA 
     ("tma persistent 128x128x128 promote every 32", "tma", dict(PROMOTE=0)),
 ]
 KERNELS = {"ptr": gemm_accumulate, "tma": gemm_accumulate_tma}
-
-
-def cpu_model():
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name"))
-    except Exception:   # noqa: BLE001
-        return platform.processor()
-
-
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=10, rep=60)
 
 
 def host_us(fn, n=50):
