@@ -323,10 +323,11 @@ def _varlen_on_device(q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_q_padded, cu_kv_p
     if cu_q_padded is not None and not causal:
         raise RuntimeError("packed (thd) attention inside a CUDA-graph capture: padded sequence slots "
                            "(cu_seqlens_*_padded) are served for causal attention only")
-    cu_q = (cu_seqlens_q if cu_q_padded is None else cu_q_padded).to(torch.int32)
-    cu_k = (cu_seqlens_kv if cu_kv_padded is None else cu_kv_padded).to(torch.int32)
-    in_q = _rows_in_sequences(cu_q, cu_seqlens_q.to(torch.int32), q.size(0))[:, None, None]
-    in_k = _rows_in_sequences(cu_k, cu_seqlens_kv.to(torch.int32), k.size(0))[:, None, None]
+    cu_sq, cu_sk = cu_seqlens_q.to(torch.int32), cu_seqlens_kv.to(torch.int32)
+    cu_q = cu_sq if cu_q_padded is None else cu_q_padded.to(torch.int32)
+    cu_k = cu_sk if cu_kv_padded is None else cu_kv_padded.to(torch.int32)
+    in_q = _rows_in_sequences(cu_q, cu_sq, q.size(0))[:, None, None]
+    in_k = _rows_in_sequences(cu_k, cu_sk, k.size(0))[:, None, None]
     zero = q.new_zeros(())
     q, k, v = torch.where(in_q, q, zero), torch.where(in_k, k, zero), torch.where(in_k, v, zero)
     left, right = (None, None) if window_size is None else (int(window_size[0]), int(window_size[1]))

@@ -202,20 +202,6 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool, scaling: Fp8S
     return _cast_torch(x, dtype, transpose, scale, amax)
 
 
-def _wgrad_into(main_grad, dy8t, x8t, sg_inv, sx_inv) -> bool:
-    """main_grad += dy^T x inside the GEMM (cuBLASLt's beta = 1) where fp8_wgrad can (True); else
-    False, and the caller adds cuBLASLt's fp32 dW in a second pass (the report names the path)."""
-    why = fp8_wgrad.why_not(main_grad, dy8t, x8t)
-    if why is not None:
-        report.ran("fp8_wgrad", f"{dy8t.device.type}.scaled_mm+main_grad.add_"
-                                f"{' (eager)' if why is fp8_wgrad.EAGER else ''}")
-        fp8_wgrad.say_why_once(why)
-        return False
-    report.ran("fp8_wgrad", "cuda.cublaslt(beta=1, nvmath)")
-    fp8_wgrad.accumulate(main_grad, dy8t, x8t, sg_inv, sx_inv)
-    return True
-
-
 def _gemm(a, b, scale_a, scale_b, out_dtype, fast_accum):
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
                             use_fast_accum=fast_accum and a.is_cuda)
@@ -266,7 +252,7 @@ class _Fp8Linear(torch.autograd.Function):
             dx = _gemm(dy8, w8t.t(), sg_inv, sw_inv, dy.dtype, False).reshape(ctx.x_shape)
         if need_wgrad:
             dw = _wgrad(ctx, dy2, xs, lambda out: _gemm(dy8t, xs.t(), sg_inv, sx_inv, out, False),
-                        lambda mg: _wgrad_into(mg, dy8t, xs, sg_inv, sx_inv))
+                        lambda mg: fp8_wgrad.into_main_grad(mg, dy8t, xs, sg_inv, sx_inv))
         if ctx.use_bias:
             db = dy2.sum(0)
         if r.recipe == "delayed":

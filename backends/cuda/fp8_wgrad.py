@@ -63,12 +63,25 @@ def why_not(c, a, b) -> str | None:
     return None
 
 
-def say_why_once(why: str) -> None:
-    """The missing library is said once; the other reasons are the report's (its fp8_wgrad rows)."""
+IN_PLACE, ADD, ADD_EAGER = ("cuda.cublaslt(beta=1, nvmath)", ".scaled_mm+main_grad.add_",
+                             ".scaled_mm+main_grad.add_ (eager)")   # report names
+
+
+def into_main_grad(c, a, b, scale_a, scale_b) -> bool:
+    """c += scale_a * scale_b * a @ b^T in cuBLASLt's GEMM where why_not allows (True); else False,
+    and the caller adds _scaled_mm's fp32 dW. Either way the report counts the path (op fp8_wgrad);
+    a missing nvmath-python is said once."""
+    why = why_not(c, a, b)
+    if why is None:
+        report.ran("fp8_wgrad", IN_PLACE)
+        accumulate(c, a, b, scale_a, scale_b)
+        return True
+    report.ran("fp8_wgrad", a.device.type + (ADD_EAGER if why is EAGER else ADD))
     if why == unavailable():
         report.say_once(f"the fp8 wgrad GEMM writes an fp32 dW that a second pass adds into "
                         f"main_grad, because {why}. pip install \"megatron-adapt[cuda]\" (nvmath-python) "
                         f"for cuBLASLt's in-place accumulation (docs/fp8.md).", key="fp8_wgrad_nvmath")
+    return False
 
 
 def _key(c, a, b):
