@@ -146,3 +146,22 @@ def test_npu_refuses_fp8():
     backend = types.SimpleNamespace(name="npu", op=lambda name: {"fp8_unavailable": fp8_unavailable}[name])
     why = fp8_refusal(backend, {"fp8": "hybrid"})
     assert why.startswith("--fp8-format hybrid: the npu backend cannot run it: megatron-adapt wires no torch_npu fp8 matmul"), why
+
+
+def test_wgrad_sink_exposes_main_grad_and_takes_none_when_the_gemm_added():
+    """patches/fp8.py's gradient-accumulation sink: `sink.main_grad` is where the backend's in-place
+    GEMM adds (backends/cuda/fp8_wgrad.py); `sink(None)` then adds nothing more but keeps Megatron's
+    protocol (grad_added_to_main_grad, a dummy grad); `sink(dw)` adds dw."""
+    import torch
+    from megatron_adapt.patches.fp8 import _wgrad_sink
+    w = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.bfloat16))
+    w.main_grad = torch.full((2, 3), 0.5)
+    w.grad_added_to_main_grad = False
+    sink = _wgrad_sink(w, fusion=True)
+    assert sink.main_grad is w.main_grad
+    dummy = sink(None)
+    assert torch.equal(w.main_grad, torch.full((2, 3), 0.5)) and w.grad_added_to_main_grad
+    assert dummy.shape == (2, 3) and dummy.dtype == torch.bfloat16
+    sink(torch.ones(2, 3))
+    assert torch.equal(w.main_grad, torch.full((2, 3), 1.5))
+    assert _wgrad_sink(w, fusion=False) is None
