@@ -154,3 +154,18 @@ class Fp8Scaling:
                 return None
             return torch.load(io.BytesIO(t.cpu().numpy().tobytes()), weights_only=True)
         raise TypeError(f"fp8 extra state: expected a uint8 tensor, got {type(t).__name__}")
+
+
+class Fp8WeightCache:
+    """One linear's fp8 weight copies, kept across the micro-batches of a step as TE keeps them.
+    Megatron marks each step's first micro-batch (`set_is_first_microbatch`); the weight is cast
+    there and reused until the next one. `skip` tells the next forward what to do: False (cast
+    into the cache), True (use it as it is, unless the weight's storage or version changed), or a
+    one-element device tensor that the cast kernel reads (nonzero: keep the cache) -- what a CUDA
+    graph records, since Megatron replays one graph for first and later micro-batches alike.
+    `tensors` is the backend's (w8, w8^T or None, 1/scale); `key` what they were cast from."""
+
+    __slots__ = ("tensors", "key", "skip")
+
+    def __init__(self):
+        self.tensors, self.key, self.skip = None, None, False

@@ -312,12 +312,16 @@ def fp8_variant(base, backend):
                     f"fp8={config.fp8!r}: the {backend.name} backend serves no fp8 GEMM: "
                     f"{backend.op('fp8_unavailable')()}")
             super().__init__(*args, config=config, **kwargs)
-            from megatron_adapt.backends.fp8_scaling import Fp8Scaling
+            from megatron_adapt.backends.fp8_scaling import Fp8Scaling, Fp8WeightCache
 
             weight = getattr(self, "weight", None)   # None with skip_weight_param_allocation
             self.fp8_scaling = Fp8Scaling(recipe_from_config(config),
                                           device=weight.device if weight is not None else None)
             self._fp8_op = backend.op("fp8_linear")
+            # TE's fp8 weight cache: Megatron's set_is_first_microbatch sets True at each step's
+            # first micro-batch; None (never set: a loop other than Megatron's) casts every call
+            self.is_first_microbatch = None
+            self.fp8_weight_cache = Fp8WeightCache()
 
         def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (Megatron's names)
             recipe = active_recipe()
@@ -351,7 +355,22 @@ def fp8_variant(base, backend):
             elif kwargs.get("allreduce_dgrad"):
                 x = copy_to_tensor_model_parallel_region(x, group=group)
             sink = _wgrad_sink(weight, bool(kwargs.get("gradient_accumulation_fusion")))
-            return self._fp8_op(x, weight, kwargs.get("bias"), scaling, sink)
+            return self._fp8_op(x, weight, kwargs.get("bias"), scaling, sink,
+                                weight_cache=self._weight_cache_for_this_call())
+
+        def _weight_cache_for_this_call(self):
+            """The weight cache told whether this call casts (TE's is_first_microbatch logic): a
+            step's first micro-batch casts, later ones reuse; a CUDA-graph capture records a cast
+            that Megatron's replays switch by the skip flag it sets (Fp8GraphState)."""
+            first = self.is_first_microbatch
+            if first is None:
+                return None
+            self.is_first_microbatch = False
+            cache = self.fp8_weight_cache
+            flag = Fp8GraphState.skip_flag
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            cache.skip = flag if (capturing and flag is not None) else not first
+            return cache
 
         # TE's checkpoint layout: the scaling state in the module's _extra_state
         def get_extra_state(self):
@@ -386,6 +405,8 @@ class Fp8GraphState:
     per-TE-module amax bookkeeping and its reduce-and-update after a backward replay never run: each
     fp8 linear's delayed update is inside the captured forward and backward."""
 
+    skip_flag = None   # the device flag captured weight casts read (nonzero: keep the cached weight)
+
     @staticmethod
     def get_fp8_recipe():
         return active_recipe()
@@ -396,8 +417,12 @@ class Fp8GraphState:
 
     @staticmethod
     def set_skip_fp8_weight_update_tensor(skip) -> None:
-        """TE skips re-casting cached fp8 weights after a step's first micro-batch; these linears
-        keep no fp8 weight cache (every GEMM casts its weight), so there is nothing to skip."""
+        """Megatron sets this before replaying a step's first layer: False for the step's first
+        micro-batch (the captured weight casts run), True for later ones (they keep the cache). Set
+        once before any capture, so captures record the flagged cast (Fp8Linear's weight cache)."""
+        if Fp8GraphState.skip_flag is None:
+            Fp8GraphState.skip_flag = torch.zeros(1, dtype=torch.float32, device="cuda")
+        Fp8GraphState.skip_flag.fill_(float(bool(skip)))
 
     @staticmethod
     def is_first_fp8_module() -> bool:   # megatron-core 0.15 asks before that skip
@@ -510,6 +535,11 @@ SPECS = [
      for name, obj in (("FP8GlobalStateManager", Fp8GraphState), ("save_fp8_tensors", save_fp8_tensors),
                        ("restore_fp8_tensors", restore_fp8_tensors), ("te", te),
                        ("TransformerEngineBaseModule", _NotTransformerEngine))] + [
+    # core_v0.18+ sets the skip flag through a helper that returns at once without TE
+    PatchSpec(f"{GRAPHS}:_set_skip_fp8_weight_update_tensor", area="fp8", versions=">=0.18.0,<0.20.0",
+              build=start_checks.served_without_te("_set_skip_fp8_weight_update_tensor",
+                                                   Fp8GraphState.set_skip_fp8_weight_update_tensor,
+                                                   "Megatron's CUDA graphs"))] + [
     # TEGroupedMLP under fp8 asserts HAVE_TE and pads each expert's rows with TE's Fp8Padding /
     # Fp8Unpadding; its linears are megatron-adapt's grouped linears (patches/moe), which run the
     # backend's fp8_grouped_gemm. experts.py reads HAVE_TE nowhere else that TE's absence changes:

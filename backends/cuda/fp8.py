@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from megatron_adapt import report
-from megatron_adapt.backends.fp8_scaling import FP8_MAX, Fp8Scaling, current_scale
+from megatron_adapt.backends.fp8_scaling import FP8_MAX, Fp8Scaling, Fp8WeightCache, current_scale
 
 from . import fp8_wgrad
 from ._common import cdiv, interpreting
@@ -60,9 +60,12 @@ def fp8_unavailable(recipe: str = "tensorwise") -> str | None:
 
 if triton is not None:
     @triton.jit
-    def _cast_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M, N, stride_xm,
+    def _cast_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, scale_inv_ptr, skip_ptr, M, N, stride_xm,
                      FP8_MAX: tl.constexpr, CURRENT: tl.constexpr, TRANSPOSE: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr):
+                     HAS_SKIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        if HAS_SKIP:   # a cached weight, recorded in a CUDA graph: cast only where the flag is 0
+            if tl.load(skip_ptr) != 0:
+                return
         pm, pn = tl.program_id(0), tl.program_id(1)
         rm = pm * BM + tl.arange(0, BM)
         rn = pn * BN + tl.arange(0, BN)
@@ -89,7 +92,11 @@ if triton is not None:
 
 
     @triton.jit
-    def _amax_kernel(x_ptr, amax_ptr, M, N, stride_xm, BM: tl.constexpr, BN: tl.constexpr):
+    def _amax_kernel(x_ptr, amax_ptr, skip_ptr, M, N, stride_xm, HAS_SKIP: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr):
+        if HAS_SKIP:
+            if tl.load(skip_ptr) != 0:
+                return
         pm, pn = tl.program_id(0), tl.program_id(1)
         rm = pm * BM + tl.arange(0, BM)
         rn = pn * BN + tl.arange(0, BN)
@@ -142,7 +149,7 @@ def _delayed_update(scaling: Fp8Scaling, direction: str) -> None:
                                  BN=triton.next_power_of_2(n), BK=triton.next_power_of_2(k), num_warps=4)
 
 
-def _amax_triton(x):
+def _amax_triton(x, skip=None):
     """max |x| of a row-major [M, N] (rows may be strided) as a [1] fp32 tensor, in one read: one
     tile per program, its max atomically into the result. torch's inf-norm reduction ran these
     tensors at about 40 % of the copy bandwidth on an H100 (docs/fp8.md)."""
@@ -153,40 +160,53 @@ def _amax_triton(x):
     else:
         BN = min(1024, triton.next_power_of_2(N))
         BM = max(1, 16384 // BN)
-    _amax_kernel[(cdiv(M, BM), cdiv(N, BN))](x, amax, M, N, x.stride(0), BM=BM, BN=BN, num_warps=8)
+    _amax_kernel[(cdiv(M, BM), cdiv(N, BN))](x, amax, amax if skip is None else skip, M, N, x.stride(0),
+                                             HAS_SKIP=skip is not None, BM=BM, BN=BN, num_warps=8)
     return amax
 
 
-def _cast_triton(x, dtype, transpose, scale, amax):
+def _cast_triton(x, dtype, transpose, scale, amax, out=None, skip=None):
     M, N = x.shape
-    y = torch.empty(M, N, dtype=dtype, device=x.device)
-    yt = torch.empty(N, M, dtype=dtype, device=x.device) if transpose else y
-    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    if out is None:
+        out = (torch.empty(M, N, dtype=dtype, device=x.device),
+               torch.empty(N, M, dtype=dtype, device=x.device) if transpose else None,
+               torch.empty(1, dtype=torch.float32, device=x.device))
+    y, yt, scale_inv = out
     current = scale is None
     BM, BN = (16, 16) if interpreting() else (64, 128)
     _cast_kernel[(cdiv(M, BM), cdiv(N, BN))](
-        x, y, yt, amax if current else scale, amax, scale_inv, M, N, x.stride(0),
-        FP8_MAX=FP8_MAX[dtype], CURRENT=current, TRANSPOSE=transpose, BM=BM, BN=BN, num_warps=4)
-    return y, (yt if transpose else None), scale_inv
+        x, y, y if yt is None else yt, amax if current else scale, amax, scale_inv,
+        amax if skip is None else skip, M, N, x.stride(0), FP8_MAX=FP8_MAX[dtype], CURRENT=current,
+        TRANSPOSE=transpose, HAS_SKIP=skip is not None, BM=BM, BN=BN, num_warps=4)
+    return out
 
 
-def _cast_torch(x, dtype, transpose, scale, amax):
+def _cast_torch(x, dtype, transpose, scale, amax, out=None, skip=None):
     fp8_max = FP8_MAX[dtype]
     xf = x.float()
+    keep = None if skip is None else skip.reshape(1) != 0
     if scale is None:
         scale = current_scale(amax, fp8_max)
     else:
-        amax.copy_(torch.maximum(amax, xf.abs().amax().reshape(amax.shape)))
+        seen = xf.abs().amax().reshape(amax.shape)
+        amax.copy_(torch.maximum(amax, seen if keep is None else torch.where(keep, amax, seen)))
     y = (xf * scale).clamp_(-fp8_max, fp8_max).to(dtype)
-    return y, (y.t().contiguous() if transpose else None), scale.float().reciprocal().reshape(1)
+    made = (y, (y.t().contiguous() if transpose else None), scale.float().reciprocal().reshape(1))
+    if out is None:
+        return made
+    for held, new in zip(out, made):
+        if held is not None:
+            held.copy_(new if keep is None else torch.where(keep, held, new))
+    return out
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool, scaling: Fp8Scaling | None,
-             direction: str = "fwd", slot: int = 0):
+             direction: str = "fwd", slot: int = 0, out=None, skip=None):
     """x [M, N] (row-major rows) -> (x8 [M, N], x8^T [N, M] contiguous or None, scale_inv [1] fp32).
 
     scaling None or tensorwise: current scaling (amax of x now); delayed: scaling's scale for
-    (direction, slot), this amax recorded into its history row."""
+    (direction, slot), this amax recorded into its history row. `out`: those three tensors to write
+    (a weight cache); `skip`: a device flag, nonzero to leave `out` and the amax as they are."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     delayed = scaling is not None and scaling.recipe.recipe == "delayed"
@@ -195,11 +215,36 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool, scaling: Fp8S
         amax = scaling.amax_history[direction][0, slot:slot + 1]
     else:
         scale = None
-        amax = (_amax_triton(x) if _triton_here(x)
+        amax = (_amax_triton(x, skip) if _triton_here(x)
                 else torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).reshape(1))
     if _triton_here(x):
-        return _cast_triton(x, dtype, transpose, scale, amax)
-    return _cast_torch(x, dtype, transpose, scale, amax)
+        return _cast_triton(x, dtype, transpose, scale, amax, out, skip)
+    return _cast_torch(x, dtype, transpose, scale, amax, out, skip)
+
+
+def quantize_weight(weight: torch.Tensor, dtype: torch.dtype, transpose: bool, scaling: Fp8Scaling,
+                    cache: Fp8WeightCache | None):
+    """quantize(weight) for the forward (slot 1), through the linear's weight cache where it has
+    one: cast into the cache, reuse it (no kernel at all), or -- inside a CUDA-graph capture -- a
+    cast that the replay runs or skips by the cache's device flag (see Fp8WeightCache)."""
+    if cache is None:
+        return quantize(weight, dtype, transpose, scaling, "fwd", 1)
+    key = (weight.data_ptr(), weight._version)
+    held = cache.tensors
+    if (held is None or held[0].shape != weight.shape or held[0].dtype != dtype
+            or held[0].device != weight.device or (transpose and held[1] is None)):
+        report.ran("fp8_weight_cast", "cast (cache made)")
+        cache.tensors, cache.key = quantize(weight, dtype, transpose, scaling, "fwd", 1), key
+        return cache.tensors
+    skip = cache.skip
+    if skip is True and cache.key == key:
+        report.ran("fp8_weight_cast", "cached (later micro-batch)")
+        return held
+    flagged = torch.is_tensor(skip)
+    report.ran("fp8_weight_cast", "cast, or cached by the graph's flag" if flagged else "cast into the cache")
+    quantize(weight, dtype, held[1] is not None, scaling, "fwd", 1, held, skip if flagged else None)
+    cache.key = key
+    return held
 
 
 def _gemm(a, b, scale_a, scale_b, out_dtype, fast_accum):
@@ -222,14 +267,14 @@ def _wgrad(ctx, dy2, xs, fp8_gemm, accumulate=None):
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, scaling, wgrad_sink):
+    def forward(ctx, x, weight, bias, scaling, wgrad_sink, weight_cache):
         r = scaling.recipe
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fp8_wgrad = need_wgrad and r.wgrad
         x8, x8t, sx_inv = quantize(x2, r.fwd_dtype, fp8_wgrad, scaling, "fwd", 0)
-        w8, w8t, sw_inv = quantize(weight, r.fwd_dtype, need_dgrad, scaling, "fwd", 1)
+        w8, w8t, sw_inv = quantize_weight(weight, r.fwd_dtype, need_dgrad, scaling, weight_cache)
         y = _gemm(x8, w8.t(), sx_inv, sw_inv, x.dtype, True)
         if bias is not None:
             y = y + bias
@@ -257,7 +302,7 @@ class _Fp8Linear(torch.autograd.Function):
             db = dy2.sum(0)
         if r.recipe == "delayed":
             _delayed_update(scaling, "bwd")
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 # ---------------------------------------------------------------- blockwise (TE's Float8BlockScaling)
@@ -411,8 +456,10 @@ def unsupported_shape(x: torch.Tensor, weight: torch.Tensor, align: int = ALIGN)
     return None
 
 
-def fp8_linear(x, weight, bias, scaling: Fp8Scaling, wgrad_sink=None):
-    """y = x @ weight^T (+ bias) with fp8 GEMMs forward and backward; see the module doc."""
+def fp8_linear(x, weight, bias, scaling: Fp8Scaling, wgrad_sink=None, weight_cache: Fp8WeightCache | None = None):
+    """y = x @ weight^T (+ bias) with fp8 GEMMs forward and backward; see the module doc.
+    weight_cache: the linear's fp8 weight kept across a step's micro-batches (tensorwise and delayed;
+    blockwise casts its weight blocks at every call)."""
     blockwise = scaling.recipe.recipe == "blockwise"
     why = unsupported_shape(x, weight, BLOCKWISE_ALIGN if blockwise else ALIGN)
     if why is not None:
@@ -420,7 +467,9 @@ def fp8_linear(x, weight, bias, scaling: Fp8Scaling, wgrad_sink=None):
         return _HighPrecisionLinear.apply(x, weight, bias, wgrad_sink)
     report.ran("fp8_linear", f"{'cuda' if x.is_cuda else x.device.type}.scaled_mm"
                              f"({scaling.recipe.format}, {scaling.recipe.recipe})")
-    return (_Fp8BlockLinear if blockwise else _Fp8Linear).apply(x, weight, bias, scaling, wgrad_sink)
+    if blockwise:
+        return _Fp8BlockLinear.apply(x, weight, bias, scaling, wgrad_sink)
+    return _Fp8Linear.apply(x, weight, bias, scaling, wgrad_sink, weight_cache)
 
 
 class _HighPrecisionLinear(torch.autograd.Function):

@@ -641,3 +641,118 @@ def test_delayed_update_kernel_equals_the_reference(length, algo, fmt):
                 assert got.updates[d] == ref.updates[d]
             for s in (ref, got):   # this step's amaxes recorded, as the casts would
                 s.amax_history["fwd"][0].copy_(torch.tensor([3.0 + step, 0.5]))
+
+
+# ---------------------------------------------------------------- the fp8 weight cache (TE's, across micro-batches)
+def _fresh(w, recipe="tensorwise"):
+    """quantize(w) as the forward casts it, with a throwaway state (the reference for a cache)."""
+    return fp8.quantize(w, E4, True, Fp8Scaling(Fp8Recipe("hybrid", recipe), DEV), "fwd", 1)
+
+
+def _same(a, b):
+    return all((x is None and y is None) or torch.equal(x.float(), y.float()) for x, y in zip(a, b))
+
+
+def _casts():
+    return dict(report.op_counts().get("fp8_weight_cast", {}))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_weight_cache_casts_at_the_first_micro_batch_and_reuses_it_after(torch_cast_on_cpu, recipe):
+    """skip False casts into the cache; skip True reuses it with no kernel, forward and dgrad (even
+    where the weight's values changed behind its version counter, as Megatron's optimizers write
+    them: the step's next first micro-batch casts again); an in-place update that moves the weight's
+    version is cast again even with skip True."""
+    from megatron_adapt.backends.fp8_scaling import Fp8WeightCache
+
+    torch.manual_seed(5)
+    x = torch.randn(32, 64, device=DEV).requires_grad_()
+    w = (torch.randn(48, 64, device=DEV) * 0.05).requires_grad_()
+    dy = torch.randn(32, 48, device=DEV)
+    state = Fp8Scaling(Fp8Recipe("hybrid", recipe), DEV)
+    cache = Fp8WeightCache()
+    report.reset_op_counts()
+    fp8.fp8_linear(x, w, None, state, weight_cache=cache).backward(dy)
+    held = cache.tensors
+    assert held is not None and held[1] is not None
+    old_w8 = held[0].clone()
+    old = w.detach().clone()
+    w.data.mul_(2.0)                      # a step's update through .data: no version change
+    cache.skip = True
+    x.grad = None
+    y = fp8.fp8_linear(x, w, None, state, weight_cache=cache)
+    y.backward(dy)
+    assert cache.tensors is held and torch.equal(held[0].float(), old_w8.float())
+    ref = Fp8Scaling(Fp8Recipe("hybrid", "tensorwise"), DEV)
+    y_old = fp8.fp8_linear(x.detach(), old, None, ref)    # the same product with the old weight
+    if recipe == "tensorwise":
+        assert torch.equal(y, y_old)
+    else:   # delayed: the input's scale moved on; the weight's is the cached one
+        torch.testing.assert_close(y, y_old, rtol=0.1, atol=0.1 * y_old.abs().max().item())
+    cache.skip = False                    # the next step's first micro-batch
+    fp8.fp8_linear(x, w, None, state, weight_cache=cache)
+    assert cache.tensors is held
+    if recipe == "tensorwise":
+        assert _same(held, _fresh(w.detach()))
+    with torch.no_grad():
+        w.mul_(0.5)                       # in place on the parameter: its version moves
+    cache.skip = True
+    fp8.fp8_linear(x, w, None, state, weight_cache=cache)
+    if recipe == "tensorwise":
+        assert _same(held, _fresh(w.detach()))
+    assert _casts() == {"cast (cache made)": 1, "cached (later micro-batch)": 1, "cast into the cache": 2}
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_weight_cache_flag_keeps_or_casts_as_the_device_flag_says(recipe):
+    """The flagged cast a CUDA graph records: flag 1 leaves the cache (and the weight's amax slot)
+    as it is, flag 0 casts into it. Triton's kernel where it runs here (GPU, or the interpreter on
+    CPU), else torch's cast; compared with the same path's fresh cast."""
+    from megatron_adapt.backends.fp8_scaling import Fp8WeightCache
+
+    torch.manual_seed(6)
+    w = torch.randn(48, 64, device=DEV) * 0.05
+    state = Fp8Scaling(Fp8Recipe("hybrid", recipe), DEV)
+    cache = Fp8WeightCache()
+    fp8.quantize_weight(w, E4, True, state, cache)
+    before = [t.clone() for t in cache.tensors]
+    w.mul_(3.0)
+    state.amax_history["fwd"].zero_()
+    cache.skip = torch.ones(1, device=DEV)
+    fp8.quantize_weight(w, E4, True, state, cache)
+    assert _same(cache.tensors, before)
+    assert state.amax_history["fwd"][0, 1].item() == 0.0          # no amax recorded either
+    cache.skip = torch.zeros(1, device=DEV)
+    fp8.quantize_weight(w, E4, True, state, cache)
+    assert _same(cache.tensors, _fresh(w, "tensorwise")) if recipe == "tensorwise" else True
+    if recipe == "delayed":
+        assert state.amax_history["fwd"][0, 1].item() == w.abs().max().item()
+        assert not _same(cache.tensors, before)
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="captures a CUDA graph")
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_weight_cache_in_a_cuda_graph_follows_the_flag_at_each_replay(recipe):
+    from megatron_adapt.backends.fp8_scaling import Fp8WeightCache
+
+    w = torch.randn(256, 128, device=DEV) * 0.05
+    state = Fp8Scaling(Fp8Recipe("hybrid", recipe), DEV)
+    cache = Fp8WeightCache()
+    fp8.quantize_weight(w, E4, True, state, cache)       # made outside, as Megatron's warm-up does
+    flag = torch.zeros(1, device=DEV)
+    cache.skip = flag
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8.quantize_weight(w, E4, True, state, cache)
+    before = [t.clone() for t in cache.tensors]
+    w.mul_(2.0)
+    flag.fill_(1.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _same(cache.tensors, before)
+    flag.fill_(0.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    if recipe == "tensorwise":
+        assert _same(cache.tensors, _fresh(w))
+    assert not _same(cache.tensors, before)

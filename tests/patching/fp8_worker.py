@@ -3,6 +3,7 @@
     python fp8_worker.py refusal      the cpu backend refuses TransformerConfig(fp8=...)
     python fp8_worker.py train        GPTModel from Megatron's TE layer spec with fp8 set
     python fp8_worker.py moe          the same with MoE experts (--moe-grouped-gemm) in fp8
+    python fp8_worker.py weight_cache the fp8 weight cache across micro-batches, marked as Megatron's schedule does
 
 `train` and `moe` need fp8 GEMMs, which the cpu backend does not serve. It lends the cpu backend the
 cuda backend's own `fp8_linear` and `fp8_grouped_gemm` (torch's CPU build has `torch._scaled_mm` for float8, so the
@@ -29,7 +30,7 @@ import megatron_adapt  # noqa: E402
 from megatron_adapt import report  # noqa: E402
 
 scenario = sys.argv[1]
-if scenario in ("train", "moe"):
+if scenario in ("train", "moe", "weight_cache"):
     from megatron_adapt.backends import cpu as cpu_backend
     from megatron_adapt.backends.cuda import fp8 as cuda_fp8
 
@@ -245,5 +246,52 @@ def graphs(first_last_bf16, tokens, pos, labels):
     }
 
 
-{"refusal": refusal, "train": train, "moe": moe}[scenario]()
+def weight_cache():
+    """Two micro-batches a step, the first marked by GPTModel.set_is_first_microbatch as Megatron's
+    forward_step does: the cached run against one that casts every call (never marked)."""
+    dist.init_process_group("nccl")
+    parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(1234)
+    batches = [(torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))) for _ in range(2)]
+    pos = torch.arange(32).unsqueeze(0).expand(2, -1)
+
+    def one_step(m, mark):
+        for p in m.parameters():
+            p.grad = None
+        losses = []
+        for i, (tokens, labels) in enumerate(batches):
+            if mark and i == 0:
+                m.set_is_first_microbatch()
+            loss = m(tokens, pos, None, labels=labels).float().mean()
+            loss.backward()
+            losses.append(loss.item())
+        return losses, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    def casts():
+        return dict(report.op_counts().get("fp8_weight_cast", {}))
+
+    for recipe in ("tensorwise", "delayed"):
+        kw = dict(fp8="hybrid", fp8_recipe=recipe, fp8_amax_history_len=4, fp8_amax_compute_algo="max")
+        every, _ = model(**kw)
+        cached, _ = model(**kw)
+        cached.load_state_dict(every.state_dict())
+        one_step(every, False)              # warm-up: the delayed state has a history in both
+        one_step(cached, False)
+        report.reset_op_counts()
+        steps = []
+        for _ in range(3):
+            l_every, g_every = one_step(every, False)
+            l_cached, g_cached = one_step(cached, True)
+            steps.append({"losses": [l_every, l_cached],
+                          "grad_rel_max": max(rel(g_cached[n], g_every[n]) for n in g_every)})
+            with torch.no_grad():   # the same optimizer step for both, through .data as Megatron's write
+                for (name, p), q in zip(every.named_parameters(), cached.parameters()):
+                    delta = 0.01 * torch.sign(g_every[name]) if name in g_every else 0.0
+                    p.data.add_(delta)
+                    q.data.add_(delta)
+        out[recipe] = {"steps": steps, "casts": casts(), "never_marked_has_no_cache":
+                       every.decoder.layers[0].mlp.linear_fc1.fp8_weight_cache.tensors is None}
+
+
+{"refusal": refusal, "train": train, "moe": moe, "weight_cache": weight_cache}[scenario]()
 print("PROBE-JSON:" + json.dumps(out))

@@ -52,6 +52,28 @@ class TestFp8ThroughMegatron:
         assert res["plain_loads_fp8_checkpoint"] == "<All keys matched successfully>"
         assert res["report_impls"] == ["cpu.scaled_mm(hybrid, delayed)", "cpu.scaled_mm(hybrid, tensorwise)"]
 
+    def test_fp8_weight_cache_across_a_steps_micro_batches(self):
+        """GPTModel.set_is_first_microbatch (Megatron's forward_step at each step's first micro-batch)
+        makes each fp8 linear cast its weight there and reuse it for the step's later micro-batches,
+        also after the weights change through .data as Megatron's optimizers write them. Against a
+        model never marked (casts every call): tensorwise equal to the bit; delayed equal at the
+        first step and within fp8's error after (the later micro-batches keep the first one's scale)."""
+        res = worker("weight_cache")
+        for recipe in ("tensorwise", "delayed"):
+            r = res[recipe]
+            # 3 steps x 12 linears: each step's first micro-batch casts, the second reuses
+            assert r["casts"] == {"cast (cache made)": 12, "cast into the cache": 24,
+                                  "cached (later micro-batch)": 36}, r
+            assert r["never_marked_has_no_cache"], r
+            first = r["steps"][0]
+            assert first["losses"][0] == first["losses"][1] and first["grad_rel_max"] == 0.0, r
+            for step in r["steps"]:
+                if recipe == "tensorwise":
+                    assert step["losses"][0] == step["losses"][1] and step["grad_rel_max"] == 0.0, r
+                else:
+                    assert step["losses"][1] == pytest.approx(step["losses"][0], rel=2e-3), r
+                    assert step["grad_rel_max"] < 0.1, r
+
     def test_the_names_megatrons_cuda_graphs_ask_te_for(self):
         """--cuda-graph-impl local with fp8: a runner captures inside its layer's fp8 context (bf16 for
         a --first-last-layers-bf16 layer), and the delayed state Megatron's warm-up moves on is put
