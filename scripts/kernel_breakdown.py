@@ -5,7 +5,10 @@ Reads the Chrome trace(s) that torch.profiler writes (Megatron's `--profile --us
 core 0.16, `DIR/../torch_profile/rank-N.json.gz` on core 0.19: pass the folder above both) and
 sums every GPU kernel's duration by category (kernel names; inside CUDA graphs the kernels keep their
 names but not the op that launched them, so names are all there is), plus the top kernels by time and
-the GPU-busy time (union of kernel intervals) against the traced wall span.
+the GPU-busy time (union of kernel intervals) against the traced wall span, and the idle time
+between them by gap length: short gaps are launch latency between dependent kernels (inside CUDA
+graphs too), long ones the GPU waiting on the host; the longest are listed with the host ops
+(cpu_op / user_annotation / python_function events) that span them.
 
     python scripts/kernel_breakdown.py DIR_OR_TRACE [--steps N] [--json OUT.json] [--top 40]
 
@@ -69,12 +72,48 @@ def _busy(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+GAP_BUCKETS_US = (5, 20, 100, 1000)   # idle gaps: < 5 us, 5-20, 20-100, 100 us - 1 ms, >= 1 ms
+HOST_CATS = ("cpu_op", "user_annotation", "python_function")
+
+
+def _gaps(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The idle stretches between the union of the busy intervals."""
+    out, end = [], None
+    for s, e in sorted(intervals):
+        if end is not None and s > end:
+            out.append((end, s))
+        end = e if end is None else max(end, e)
+    return out
+
+
+def _gap_summary(gaps, host, steps, longest):
+    labels = [f"< {GAP_BUCKETS_US[0]} us"] + [f"{a}-{b} us" for a, b in zip(GAP_BUCKETS_US, GAP_BUCKETS_US[1:])] \
+        + [f">= {GAP_BUCKETS_US[-1]} us"]
+    sums, counts = [0.0] * len(labels), [0] * len(labels)
+    for s, e in gaps:
+        i = sum((e - s) >= b for b in GAP_BUCKETS_US)
+        sums[i] += e - s
+        counts[i] += 1
+    listed = []
+    for s, e in sorted(gaps, key=lambda g: g[0] - g[1])[:longest]:
+        spanning = sorted((d, n) for ts, d, n in host if ts <= e and ts + d >= s)
+        names = []
+        for _, n in spanning:    # innermost (shortest) first
+            if n not in names:
+                names.append(n[:80])
+        listed.append({"us": round(e - s, 1), "host_ops": names[:5]})
+    return {"ms_per_step": {lab: round(v / 1000.0 / steps, 3) for lab, v in zip(labels, sums)},
+            "count_per_step": {lab: c / steps for lab, c in zip(labels, counts)}, "longest": listed}
+
+
 def breakdown(paths: list[str], steps: int, top: int) -> dict:
     by_cat: dict[str, float] = defaultdict(float)
     by_name: dict[str, list] = defaultdict(lambda: [0.0, 0])
-    intervals = []
+    intervals, host = [], []
     for path in paths:
         for ev in _load(path).get("traceEvents", []):
+            if ev.get("ph") == "X" and ev.get("cat") in HOST_CATS:
+                host.append((float(ev.get("ts", 0)), float(ev.get("dur", 0)), ev.get("name", "")))
             if ev.get("ph") != "X" or ev.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
                 continue
             name, dur, ts = ev.get("name", ""), float(ev.get("dur", 0)), float(ev.get("ts", 0))
@@ -94,6 +133,7 @@ def breakdown(paths: list[str], steps: int, top: int) -> dict:
         "span_ms_per_step": ms(span),
         "gpu_busy_ms_per_step": ms(_busy(intervals)),
         "kernel_ms_per_step": ms(kernel_total),
+        "idle_gaps": _gap_summary(_gaps(intervals), host, steps, 12),
         "categories_ms_per_step": {k: ms(v) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
         "top_kernels": [
             {"name": n[:160], "category": _category(n), "ms_per_step": ms(v[0]), "calls_per_step": v[1] / steps}
@@ -119,6 +159,11 @@ def main():
         print(f"{k:28s} {v:8.2f}  {100 * v / out['kernel_ms_per_step']:5.1f} %")
     print(f"kernels {out['kernel_ms_per_step']} ms/step, GPU busy {out['gpu_busy_ms_per_step']} of "
           f"{out['span_ms_per_step']} ms traced per step")
+    gaps = out["idle_gaps"]
+    print("idle between kernels, by gap: " + ", ".join(
+        f"{lab} {v} ms ({gaps['count_per_step'][lab]:.0f})" for lab, v in gaps["ms_per_step"].items()))
+    for g in gaps["longest"]:
+        print(f"  gap {g['us']:9.1f} us  host: {' < '.join(g['host_ops'])}")
     for k in out["top_kernels"][:args.top]:
         print(f"  {k['ms_per_step']:8.2f} ms {k['calls_per_step']:7.0f}x  [{k['category']}] {k['name'][:110]}")
     if args.json:

@@ -49,6 +49,10 @@ def test_kernels_are_summed_by_kind(tmp_path):
     assert res["span_ms_per_step"] == 0.153
     assert res["top_kernels"][0]["name"].startswith("nvjet_sm90_qqtst")
     assert "gemm fp8" in text
+    gaps = res["idle_gaps"]   # one 40 us gap (the copy ends at 260; the norm starts at 300)
+    assert gaps["ms_per_step"]["20-100 us"] == 0.02 and gaps["count_per_step"]["20-100 us"] == 0.5
+    assert sum(gaps["ms_per_step"].values()) == 0.02
+    assert gaps["longest"] == [{"us": 40.0, "host_ops": ["aten::mm"]}]
 
 
 def test_core_019s_gzipped_trace_is_found(tmp_path):
