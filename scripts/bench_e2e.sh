@@ -19,6 +19,7 @@
 #               $FP8_RECIPE (fp8 linears without TE, docs/fp8.md). No stock fp8 run: stock Megatron
 #               without TE ignores the fp8 flags (a silent bf16 run).
 #   (g) adapt_fp8_graphs (not in the default RUNS): (f) plus --cuda-graph-impl local.
+#   (h) adapt_fp8_full_graph (not in the default RUNS): (f) plus (d)'s three full-iteration flags.
 # Per run also: the GPU's busy fraction (nvidia-smi dmon SM %, median over the steady samples) and
 # the host's CPU model (lscpu), since a step that waits on the host shows there.
 # Model (PRESET, default llama-0.95b): 0.95B llama-like (16 layers, hidden 2048, ffn 5632, 16 heads, seq 2048, micro-batch 4, global
@@ -143,6 +144,10 @@ for run in $RUNS; do
                 peak_smi "$OUTDIR/adapt_fp8_graphs.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_fp8_graphs_report.json" \
                     "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" "${FP8[@]}" \
                     --cuda-graph-impl local ;;
+        adapt_fp8_full_graph)
+                peak_smi "$OUTDIR/adapt_fp8_full_graph.log" env MEGATRON_ADAPT_REPORT="$OUTDIR/adapt_fp8_full_graph_report.json" \
+                    "${ADAPT[@]}" "${TORCHRUN[@]}" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${MODEL[@]}" "${FP8[@]}" \
+                    "${FULL_GRAPH[@]}" ;;
         stock_full_graph)
                 build_dataset_helpers
                 peak_smi "$OUTDIR/stock_full_graph.log" env MEGATRON_ADAPT_DISABLE=all \
