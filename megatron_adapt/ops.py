@@ -140,6 +140,12 @@ OPS: dict[str, Op] = {
         "Fp8Recipe) -> y [T, out] x.dtype: each expert's consecutive rows times w[e]^T, forward, "
         "dgrad and wgrad GEMMs in fp8 (the MoE experts' grouped linears under fp8). "
         "Served only where fp8_unavailable() is None (cuda)"),
+    "fp8_swiglu": Op(
+        ".fp8_swiglu:fp8_swiglu",
+        "(x [..., 2F] fc1's output, no bias) -> [..., F] x.dtype, SwiGLU for an fp8 linear under "
+        "delayed scaling: the output and the gradient it sends back to x are computed inside that "
+        "linear's casts (fp8_linear), any other use computes them in x.dtype (reported). "
+        "Served only where fp8_unavailable() is None (cuda)"),
     "ssd_scan": Op(
         ".ssm:ssd_scan",
         "(x [b, l, h, p], dt [b, l, h], A [h] fp32, B [b, l, g, n], C [b, l, g, n], chunk_size, "

@@ -6,7 +6,7 @@ own parts are the device layer, the RNG state and the optimizers' foreach flags.
 from megatron_adapt.backends import STANDARD_LAYOUT, Backend
 
 # fp8 GEMMs are not served on the cpu backend (.fp8 says why: the fp8_unavailable op).
-OPS = {op: path for op, path in STANDARD_LAYOUT.items() if op not in ("fp8_linear", "fp8_grouped_gemm")}
+OPS = {op: path for op, path in STANDARD_LAYOUT.items() if op not in ("fp8_linear", "fp8_grouped_gemm", "fp8_swiglu")}
 
 BACKEND = Backend(name="cpu", ops=OPS, package=__name__, device_layer=".device",
                   describe=lambda: "PyTorch reference ops on CPU, gloo collectives")

@@ -265,15 +265,30 @@ def _wgrad(ctx, dy2, xs, fp8_gemm, accumulate=None):
     return ctx.sink(dw) if ctx.sink is not None else dw
 
 
+def _deferred_or_2d(t, can_defer: bool):
+    """None for a deferred tensor this GEMM casts itself (fp8_swiglu: it has `fp8_quantize`),
+    else t as [rows, last dim] (a deferred one computed first where only fp8 copies won't do)."""
+    if hasattr(t, "fp8_quantize"):
+        if can_defer:
+            return None
+        report.fell_back("fp8_swiglu", "SwiGLU in bf16, then its own cast",
+                         "the linear also needs it in high precision (bf16 wgrad or a bias gradient)")
+        t = t.materialize()
+    return t.reshape(-1, t.shape[-1])
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, scaling, wgrad_sink, weight_cache):
         r = scaling.recipe
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fp8_wgrad = need_wgrad and r.wgrad
-        x8, x8t, sx_inv = quantize(x2, r.fwd_dtype, fp8_wgrad, scaling, "fwd", 0)
+        x2 = _deferred_or_2d(x, fp8_wgrad or not need_wgrad)
+        if x2 is None:   # computed inside its cast (fp8_swiglu.SwigluOutput)
+            x8, x8t, sx_inv = x.fp8_quantize(r.fwd_dtype, fp8_wgrad, scaling, "fwd", 0)
+        else:
+            x8, x8t, sx_inv = quantize(x2, r.fwd_dtype, fp8_wgrad, scaling, "fwd", 0)
         w8, w8t, sw_inv = quantize_weight(weight, r.fwd_dtype, need_dgrad, scaling, weight_cache)
         y = _gemm(x8, w8.t(), sx_inv, sw_inv, x.dtype, True)
         if bias is not None:
@@ -289,9 +304,12 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, dy):
         xs, w8t, sx_inv, sw_inv = ctx.saved_tensors
         scaling, r = ctx.scaling, ctx.scaling.recipe
-        dy2 = dy.reshape(-1, dy.shape[-1])
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dy8, dy8t, sg_inv = quantize(dy2, r.bwd_dtype, ctx.fp8_wgrad, scaling, "bwd", 0)
+        dy2 = _deferred_or_2d(dy, (ctx.fp8_wgrad or not need_wgrad) and not ctx.use_bias)
+        if dy2 is None:   # computed inside its cast (fp8_swiglu.SwigluGrad)
+            dy8, dy8t, sg_inv = dy.fp8_quantize(r.bwd_dtype, ctx.fp8_wgrad, scaling, "bwd", 0)
+        else:
+            dy8, dy8t, sg_inv = quantize(dy2, r.bwd_dtype, ctx.fp8_wgrad, scaling, "bwd", 0)
         dx = dw = db = None
         if need_dgrad:
             dx = _gemm(dy8, w8t.t(), sg_inv, sw_inv, dy.dtype, False).reshape(ctx.x_shape)

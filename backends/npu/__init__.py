@@ -17,7 +17,7 @@ from megatron_adapt.errors import BackendUnavailableError
 TARGET_TORCH_NPU = ("2.1.0.post10", "2.4.0.post2", "2.5.1", "2.6.0", "2.6.0.post5")
 
 # fp8 GEMMs are not served on the npu backend (.fp8 says why: the fp8_unavailable op).
-OPS = {op: path for op, path in STANDARD_LAYOUT.items() if op not in ("fp8_linear", "fp8_grouped_gemm")}
+OPS = {op: path for op, path in STANDARD_LAYOUT.items() if op not in ("fp8_linear", "fp8_grouped_gemm", "fp8_swiglu")}
 
 
 def check():

@@ -4,6 +4,7 @@
     python fp8_worker.py train        GPTModel from Megatron's TE layer spec with fp8 set
     python fp8_worker.py moe          the same with MoE experts (--moe-grouped-gemm) in fp8
     python fp8_worker.py weight_cache the fp8 weight cache across micro-batches, marked as Megatron's schedule does
+    python fp8_worker.py swiglu       SwiGLU computed inside the fp8 casts (fp8_swiglu) against the unfused path
 
 `train` and `moe` need fp8 GEMMs, which the cpu backend does not serve. It lends the cpu backend the
 cuda backend's own `fp8_linear` and `fp8_grouped_gemm` (torch's CPU build has `torch._scaled_mm` for float8, so the
@@ -30,7 +31,7 @@ import megatron_adapt  # noqa: E402
 from megatron_adapt import report  # noqa: E402
 
 scenario = sys.argv[1]
-if scenario in ("train", "moe", "weight_cache"):
+if scenario in ("train", "moe", "weight_cache", "swiglu"):
     from megatron_adapt.backends import cpu as cpu_backend
     from megatron_adapt.backends.cuda import fp8 as cuda_fp8
 
@@ -293,5 +294,43 @@ def weight_cache():
                        every.decoder.layers[0].mlp.linear_fc1.fp8_weight_cache.tensors is None}
 
 
-{"refusal": refusal, "train": train, "moe": moe, "weight_cache": weight_cache}[scenario]()
+def swiglu():
+    """Megatron's MLP with bias_swiglu_impl (delayed scaling, 3 layers, 2 steps): without the
+    backend's fp8_swiglu op (SwiGLU, then fc2's own cast), then with it lent as the cuda backend
+    has it (SwiGLU computed inside fc2's cast and its backward inside fc1's)."""
+    dist.init_process_group("nccl")
+    parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(1234)
+    tokens, labels = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
+    pos = torch.arange(32).unsqueeze(0).expand(2, -1)
+    kw = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4,
+              activation_func=torch.nn.functional.silu, bias_activation_fusion=True)
+    runs = {}
+    for name in ("unfused", "fused"):
+        if name == "fused":
+            cpu_backend.BACKEND.ops["fp8_swiglu"] = "megatron_adapt.backends.cuda.fp8_swiglu:fp8_swiglu"
+        m, _ = model(**kw)
+        report.reset_op_counts()
+        losses, grads = [], None
+        for _ in range(2):   # the second step's scales come from the first step's amaxes
+            loss, grads = step(m, tokens, pos, labels, False)
+            losses.append(loss)
+        mlp = m.decoder.layers[1].mlp
+        runs[name] = {"losses": losses, "grads": grads, "calls": dict(report.op_counts().get("fp8_swiglu", {})),
+                      "history": [mlp.linear_fc2.fp8_scaling.amax_history["fwd"][:, 0].tolist(),
+                                  mlp.linear_fc1.fp8_scaling.amax_history["bwd"][:, 0].tolist()]}
+    u, f = runs["unfused"], runs["fused"]
+    out["swiglu"] = {
+        "calls": f["calls"], "unfused_calls": u["calls"],
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(f["losses"], u["losses"])),
+        "grad_rel_max": max(rel(f["grads"][n], u["grads"][n]) for n in u["grads"] if u["grads"][n] is not None),
+        "history_rel": max(abs(a - b) / max(abs(b), 1e-12) for hf, hu in zip(f["history"], u["history"])
+                           for a, b in zip(hf, hu)),
+        "history_fused": f["history"],
+        "fallbacks": {o["implementation"]: o["fallback_reason"] for o in report.as_dict()["ops"]
+                      if o["op"] == "fp8_swiglu" and o["fallback_reason"]},
+    }
+
+
+{"refusal": refusal, "train": train, "moe": moe, "weight_cache": weight_cache, "swiglu": swiglu}[scenario]()
 print("PROBE-JSON:" + json.dumps(out))

@@ -74,6 +74,17 @@ class TestFp8ThroughMegatron:
                     assert step["losses"][1] == pytest.approx(step["losses"][0], rel=2e-3), r
                     assert step["grad_rel_max"] < 0.1, r
 
+    def test_swiglu_inside_the_fp8_casts_through_megatrons_mlp(self):
+        """Delayed scaling, Megatron's MLP calling bias_swiglu_impl: with the backend's fp8_swiglu
+        (lent from cuda; its torch path on CPU) the activation runs inside fc2's cast and its
+        backward inside fc1's, 3 layers x 2 steps each way, with no fallback; losses, gradients
+        and the amax histories those casts record equal the unfused path's."""
+        r = worker("swiglu")["swiglu"]
+        assert r["calls"] == {"torch (swiglu, then cast)": 6, "torch (swiglu backward, then cast)": 6}, r
+        assert r["unfused_calls"] == {} and r["fallbacks"] == {}, r
+        assert r["loss_rel"] < 1e-6 and r["grad_rel_max"] < 1e-5, r
+        assert r["history_rel"] < 1e-5 and all(h[2] > 0 and h[3] > 0 for h in r["history_fused"]), r
+
     def test_the_names_megatrons_cuda_graphs_ask_te_for(self):
         """--cuda-graph-impl local with fp8: a runner captures inside its layer's fp8 context (bf16 for
         a --first-last-layers-bf16 layer), and the delayed state Megatron's warm-up moves on is put
