@@ -109,8 +109,11 @@ def swiglu_grad_reference(x2: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
     return torch.cat([(d * b * sig * (1.0 + a * (1.0 - sig))).to(x2.dtype), (d * a * sig).to(x2.dtype)], -1)
 
 
+TILES = (64, 64, 4)   # BM, BN, num_warps on a GPU (scripts/fp8_swiglu_bench.py --tiles sweeps them)
+
+
 def _tiles():
-    return (16, 16) if interpreting() else (64, 64)
+    return (16, 16, 4) if interpreting() else TILES
 
 
 def _state(scaling: Fp8Scaling, direction: str, slot: int):
@@ -162,10 +165,10 @@ class SwigluOutput(_Deferred):
         y = torch.empty(M, F, dtype=dtype, device=x2.device)
         yt = torch.empty(F, M, dtype=dtype, device=x2.device) if transpose else None
         scale_inv = torch.empty(1, dtype=torch.float32, device=x2.device)
-        BM, BN = _tiles()
+        BM, BN, warps = _tiles()
         _swiglu_cast_kernel[(cdiv(M, BM), cdiv(F, BN))](
             x2, y, y if yt is None else yt, scale, amax, scale_inv, M, F, FP8_MAX=FP8_MAX[dtype],
-            TRANSPOSE=transpose, BM=BM, BN=BN, num_warps=4)
+            TRANSPOSE=transpose, BM=BM, BN=BN, num_warps=warps)
         return y, yt, scale_inv
 
 
@@ -187,10 +190,10 @@ class SwigluGrad(_Deferred):
         g = torch.empty(M, 2 * F, dtype=dtype, device=x2.device)
         gt = torch.empty(2 * F, M, dtype=dtype, device=x2.device) if transpose else None
         scale_inv = torch.empty(1, dtype=torch.float32, device=x2.device)
-        BM, BN = _tiles()
+        BM, BN, warps = _tiles()
         _swiglu_grad_cast_kernel[(cdiv(M, BM), cdiv(F, BN))](
             x2, d2, g, g if gt is None else gt, scale, amax, scale_inv, M, F, FP8_MAX=FP8_MAX[dtype],
-            TRANSPOSE=transpose, BM=BM, BN=BN, num_warps=4)
+            TRANSPOSE=transpose, BM=BM, BN=BN, num_warps=warps)
         return g, gt, scale_inv
 
 
