@@ -109,7 +109,7 @@ def swiglu_grad_reference(x2: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
     return torch.cat([(d * b * sig * (1.0 + a * (1.0 - sig))).to(x2.dtype), (d * a * sig).to(x2.dtype)], -1)
 
 
-TILES = (64, 64, 4)   # BM, BN, num_warps on a GPU (scripts/fp8_swiglu_bench.py --tiles sweeps them)
+TILES = (32, 128, 4)   # BM, BN, num_warps on a GPU: the best of scripts/fp8_swiglu_bench.py --tiles on an H100
 
 
 def _tiles():
