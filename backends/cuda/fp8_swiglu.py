@@ -122,6 +122,22 @@ def _state(scaling: Fp8Scaling, direction: str, slot: int):
     return scaling.scale[direction][slot:slot + 1], scaling.amax_history[direction][0, slot:slot + 1]
 
 
+def _fused_cast(kernel, inputs, f, cols, dtype, transpose, scaling, direction, slot):
+    """Launch one of the fused kernels over [M, F] tiles of inputs[0] ([M, 2F]); its fp8 output has
+    `cols` columns (and a transposed copy where asked): (out, out^T or None, 1/scale)."""
+    scale, amax = _state(scaling, direction, slot)
+    x2 = inputs[0]
+    M = x2.shape[0]
+    out = torch.empty(M, cols, dtype=dtype, device=x2.device)
+    out_t = torch.empty(cols, M, dtype=dtype, device=x2.device) if transpose else None
+    scale_inv = torch.empty(1, dtype=torch.float32, device=x2.device)
+    BM, BN, warps = _tiles()
+    kernel[(cdiv(M, BM), cdiv(f, BN))](*inputs, out, out if out_t is None else out_t, scale, amax, scale_inv,
+                                       M, f, FP8_MAX=FP8_MAX[dtype], TRANSPOSE=transpose, BM=BM, BN=BN,
+                                       num_warps=warps)
+    return out, out_t, scale_inv
+
+
 class _Deferred(torch.Tensor):
     """A tensor of this shape and dtype, not computed yet (see the module doc)."""
 
@@ -156,20 +172,12 @@ class SwigluOutput(_Deferred):
     def fp8_quantize(self, dtype, transpose: bool, scaling: Fp8Scaling, direction: str, slot: int):
         """(y8 [M, F], y8^T [F, M] or None, 1/scale): quantize(SwiGLU(x)) in one read of x."""
         (x2,) = self.parts
-        scale, amax = _state(scaling, direction, slot)
         if not _triton_here(x2):
             report.ran("fp8_swiglu", "torch (swiglu, then cast)")
-            return _cast_torch(swiglu_reference(x2), dtype, transpose, scale, amax)
+            return _cast_torch(swiglu_reference(x2), dtype, transpose, *_state(scaling, direction, slot))
         report.ran("fp8_swiglu", "cuda.triton(swiglu + fp8 cast)")
-        M, F = x2.shape[0], x2.shape[1] // 2
-        y = torch.empty(M, F, dtype=dtype, device=x2.device)
-        yt = torch.empty(F, M, dtype=dtype, device=x2.device) if transpose else None
-        scale_inv = torch.empty(1, dtype=torch.float32, device=x2.device)
-        BM, BN, warps = _tiles()
-        _swiglu_cast_kernel[(cdiv(M, BM), cdiv(F, BN))](
-            x2, y, y if yt is None else yt, scale, amax, scale_inv, M, F, FP8_MAX=FP8_MAX[dtype],
-            TRANSPOSE=transpose, BM=BM, BN=BN, num_warps=warps)
-        return y, yt, scale_inv
+        return _fused_cast(_swiglu_cast_kernel, (x2,), x2.shape[1] // 2, x2.shape[1] // 2, dtype, transpose,
+                           scaling, direction, slot)
 
 
 class SwigluGrad(_Deferred):
@@ -180,29 +188,20 @@ class SwigluGrad(_Deferred):
         return swiglu_grad_reference(x2, d2).view(self.shape)
 
     def fp8_quantize(self, dtype, transpose: bool, scaling: Fp8Scaling, direction: str, slot: int):
+        """(g8 [M, 2F], g8^T [2F, M] or None, 1/scale): quantize(SwiGLU backward) in one read."""
         x2, d2 = self.parts
-        scale, amax = _state(scaling, direction, slot)
         if not _triton_here(x2):
             report.ran("fp8_swiglu", "torch (swiglu backward, then cast)")
-            return _cast_torch(swiglu_grad_reference(x2, d2), dtype, transpose, scale, amax)
+            return _cast_torch(swiglu_grad_reference(x2, d2), dtype, transpose, *_state(scaling, direction, slot))
         report.ran("fp8_swiglu", "cuda.triton(swiglu backward + fp8 cast)")
-        M, F = x2.shape[0], x2.shape[1] // 2
-        g = torch.empty(M, 2 * F, dtype=dtype, device=x2.device)
-        gt = torch.empty(2 * F, M, dtype=dtype, device=x2.device) if transpose else None
-        scale_inv = torch.empty(1, dtype=torch.float32, device=x2.device)
-        BM, BN, warps = _tiles()
-        _swiglu_grad_cast_kernel[(cdiv(M, BM), cdiv(F, BN))](
-            x2, d2, g, g if gt is None else gt, scale, amax, scale_inv, M, F, FP8_MAX=FP8_MAX[dtype],
-            TRANSPOSE=transpose, BM=BM, BN=BN, num_warps=warps)
-        return g, gt, scale_inv
+        return _fused_cast(_swiglu_grad_cast_kernel, (x2, d2), x2.shape[1] // 2, x2.shape[1], dtype, transpose,
+                           scaling, direction, slot)
 
 
 class _DeferredSwiglu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.stride(-1) != 1 or x2.stride(0) != x2.shape[1]:
-            x2 = x2.contiguous()
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
         ctx.save_for_backward(x2)
         ctx.x_shape = x.shape
         return SwigluOutput((*x.shape[:-1], x.shape[-1] // 2), x, x2)
@@ -210,11 +209,7 @@ class _DeferredSwiglu(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (x2,) = ctx.saved_tensors
-        if isinstance(dy, _Deferred):
-            dy = dy.materialize()
-        d2 = dy.reshape(x2.shape[0], -1)
-        if not d2.is_contiguous():
-            d2 = d2.contiguous()
+        d2 = dy.reshape(x2.shape[0], -1).contiguous()
         return SwigluGrad(ctx.x_shape, dy, x2, d2)
 
 

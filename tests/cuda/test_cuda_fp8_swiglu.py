@@ -45,6 +45,21 @@ def skip_bf16_on_cpu(dtype):
                     "GPU round to nearest; bf16 inputs are checked on a GPU, fp32 ones here")
 
 
+def assert_fused_cast_equals_cast_of(deferred, values, dtype, direction, scale):
+    """The deferred tensor's fused cast against the cast kernel on `values` (torch's SwiGLU or its
+    backward), each with fresh delayed state at `scale`: the fp8 tensor, its transposed copy, 1/scale
+    and the amax recorded (that of the values cast, in x.dtype: to an ulp)."""
+    s_ref, s_got = delayed(scale=scale), delayed(scale=scale)
+    r8, _, rinv = fp8._cast_triton(values, dtype, True, s_ref.scale[direction][0:1],
+                                   s_ref.amax_history[direction][0, 0:1])
+    g8, g8t, ginv = deferred.fp8_quantize(dtype, True, s_got, direction, 0)
+    assert_equal_but_a_few_neighbours(g8, r8)
+    assert torch.equal(g8t.view(torch.uint8), g8.t().contiguous().view(torch.uint8))
+    assert torch.equal(ginv, rinv)
+    torch.testing.assert_close(s_got.amax_history[direction][0, 0], s_ref.amax_history[direction][0, 0],
+                               rtol=2 ** -7, atol=0)
+
+
 @pytest.mark.parametrize("rows,f", [(40, 24), (64, 80), (17, 33)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_swiglu_cast_kernel_equals_swiglu_then_cast(rows, f, dtype, monkeypatch):
@@ -53,17 +68,9 @@ def test_swiglu_cast_kernel_equals_swiglu_then_cast(rows, f, dtype, monkeypatch)
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch.manual_seed(0)
     x = (torch.randn(rows, 2 * f) * 3).to(dtype).to(DEV)
-    s_ref, s_got = delayed(), delayed()
-    y_ref = fp8_swiglu.swiglu_reference(x)
-    r8, r8t, rinv = fp8._cast_triton(y_ref, E4, True, s_ref.scale["fwd"][0:1], s_ref.amax_history["fwd"][0, 0:1])
-    out = fp8_swiglu.SwigluOutput((rows, f), x, x)
     assert fp8._triton_here(x)
-    g8, g8t, ginv = out.fp8_quantize(E4, True, s_got, "fwd", 0)
-    assert_equal_but_a_few_neighbours(g8, r8)
-    assert torch.equal(g8t.view(torch.uint8), g8.t().contiguous().view(torch.uint8))
-    assert torch.equal(ginv, rinv)
-    # the amax of the values cast (x.dtype's, to an ulp)
-    torch.testing.assert_close(s_got.amax_history["fwd"][0, 0], s_ref.amax_history["fwd"][0, 0], rtol=2 ** -7, atol=0)
+    assert_fused_cast_equals_cast_of(fp8_swiglu.SwigluOutput((rows, f), x, x), fp8_swiglu.swiglu_reference(x),
+                                     E4, "fwd", 4.0)
     assert report.op_counts()["fp8_swiglu"]["cuda.triton(swiglu + fp8 cast)"] >= 1
 
 
@@ -76,24 +83,10 @@ def test_swiglu_grad_cast_kernel_equals_swiglu_backward_then_cast(rows, f, dtype
     torch.manual_seed(1)
     x = (torch.randn(rows, 2 * f) * 3).to(dtype).to(DEV)
     d = (torch.randn(rows, f) * 0.01).to(dtype).to(DEV)
-    s_ref, s_got = delayed(scale=2.0 ** 10), delayed(scale=2.0 ** 10)
     g_ref = fp8_swiglu.swiglu_grad_reference(x, d)
-    r8, r8t, rinv = fp8._cast_triton(g_ref, E5, True, s_ref.scale["bwd"][0:1], s_ref.amax_history["bwd"][0, 0:1])
-    grad = fp8_swiglu.SwigluGrad((rows, 2 * f), x, x, d)
-    g8, g8t, ginv = grad.fp8_quantize(E5, True, s_got, "bwd", 0)
-    assert_equal_but_a_few_neighbours(g8, r8)
-    assert torch.equal(g8t.view(torch.uint8), g8.t().contiguous().view(torch.uint8))
-    assert torch.equal(ginv, rinv)
-    torch.testing.assert_close(s_got.amax_history["bwd"][0, 0], s_ref.amax_history["bwd"][0, 0], rtol=2 ** -7, atol=0)
+    assert_fused_cast_equals_cast_of(fp8_swiglu.SwigluGrad((rows, 2 * f), x, x, d), g_ref, E5, "bwd", 2.0 ** 10)
     # a wrong half (a and b swapped) would not pass: the two halves differ
     assert not torch.equal(g_ref[:, :f], g_ref[:, f:])
-
-
-def chain(x, w1, w2, fused, s1, s2):
-    y1 = fp8.fp8_linear(x, w1, None, s1)
-    h = fp8_swiglu.fp8_swiglu(y1) if fused else fp8_swiglu.swiglu_reference(y1.reshape(-1, y1.shape[-1])
-                                                                          ).view(*y1.shape[:-1], -1)
-    return fp8.fp8_linear(h, w2, None, s2)
 
 
 class _SwigluRef(torch.autograd.Function):
