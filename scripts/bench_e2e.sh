@@ -27,7 +27,8 @@
 # host-bound regime: llama-350m / llama-125m (24 x 1024 / 12 x 768, seq 1024, micro-batch 8, global
 # batch 32, the same llama choices) and gpt2-350m / gpt2-125m (the same sizes GPT-2 style: LayerNorm,
 # GeLU, biases, learned positions, tied embeddings, vocab 50257); llama-3b (24 x 3072, ffn 8192, 24 heads,
-# seq 2048, micro-batch 2, global batch 16; 2.9B parameters) for the GEMM-bound regime. Prints ms/iteration
+# seq 2048, micro-batch 2, global batch 16; 2.9B parameters) and llama-2.7b-h4096 (12 x 4096, ffn 11008,
+# 32 heads, the same sequence and batches; 2.7B) for the GEMM-bound regime. Prints ms/iteration
 # (median of iterations WARMUP+1..ITERS), TFLOP/s per GPU (Megatron's --log-throughput count), MFU
 # against PEAK_TFLOPS, peak memory (the largest of Megatron's max allocated / max reserved reports, and
 # nvidia-smi's peak used) and both loss curves with their largest difference.
@@ -68,6 +69,9 @@ case $PRESET in  # model shapes; every preset keeps Megatron's default dropout u
     llama-3b)    MODEL=(--num-layers 24 --hidden-size 3072 --ffn-hidden-size 8192 --num-attention-heads 24
                         --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 2
                         --global-batch-size 16 "${LLAMA[@]}") ;;
+    llama-2.7b-h4096) MODEL=(--num-layers 12 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32
+                        --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 2
+                        --global-batch-size 16 "${LLAMA[@]}") ;;
     llama-350m)  MODEL=(--num-layers 24 --hidden-size 1024 --ffn-hidden-size 2816 --num-attention-heads 16
                         --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8
                         --global-batch-size 32 "${LLAMA[@]}") ;;
@@ -80,7 +84,7 @@ case $PRESET in  # model shapes; every preset keeps Megatron's default dropout u
     gpt2-125m)   MODEL=(--num-layers 12 --hidden-size 768 --num-attention-heads 12
                         --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8
                         --global-batch-size 32 "${GPT2[@]}") ;;
-    *) echo "unknown PRESET $PRESET (llama-0.95b llama-3b llama-350m llama-125m gpt2-350m gpt2-125m)" >&2; exit 2 ;;
+    *) echo "unknown PRESET $PRESET (llama-0.95b llama-3b llama-2.7b-h4096 llama-350m llama-125m gpt2-350m gpt2-125m)" >&2; exit 2 ;;
 esac
 MODEL+=("${COMMON[@]}")
 echo "$PRESET" > "$OUTDIR/preset.txt"

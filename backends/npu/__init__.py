@@ -11,13 +11,13 @@ Targets Ascend Extension for PyTorch 6.0.0 and later: torch_npu 2.1.0.post10+, 2
 forms that differ between those releases are chosen once, at load, from torch_npu.__version__
 (_lib.api()).
 """
-from megatron_adapt.backends import STANDARD_LAYOUT, Backend
+from megatron_adapt.backends import FP8_GEMM_OPS, STANDARD_LAYOUT, Backend
 from megatron_adapt.errors import BackendUnavailableError
 
 TARGET_TORCH_NPU = ("2.1.0.post10", "2.4.0.post2", "2.5.1", "2.6.0", "2.6.0.post5")
 
 # fp8 GEMMs are not served on the npu backend (.fp8 says why: the fp8_unavailable op).
-OPS = {op: path for op, path in STANDARD_LAYOUT.items() if op not in ("fp8_linear", "fp8_grouped_gemm", "fp8_swiglu")}
+OPS = {op: path for op, path in STANDARD_LAYOUT.items() if op not in FP8_GEMM_OPS}
 
 
 def check():
