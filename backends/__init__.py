@@ -20,7 +20,7 @@ NAMES = ("cpu", "cuda", "npu")
 # Where each op lives inside a backend package (from megatron_adapt.ops.OPS): one module per op family.
 STANDARD_LAYOUT = {name: op.home for name, op in OPS.items()}
 # The ops that exist only where fp8 GEMMs run (a backend without them answers fp8_unavailable)
-FP8_GEMM_OPS = ("fp8_linear", "fp8_grouped_gemm", "fp8_swiglu", "fp8_norm")
+FP8_GEMM_OPS = ("fp8_linear", "fp8_grouped_gemm", "fp8_swiglu")
 
 
 @dataclass

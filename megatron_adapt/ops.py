@@ -146,12 +146,6 @@ OPS: dict[str, Op] = {
         "delayed scaling: the output and the gradient it sends back to x are computed inside that "
         "linear's casts (fp8_linear), any other use computes them in x.dtype (reported). "
         "Served only where fp8_unavailable() is None (cuda)"),
-    "fp8_norm": Op(
-        ".fp8_norm:fp8_norm",
-        "(x [..., N], weight [N], bias [N] | None, eps, is_rms) -> [..., N] x.dtype, RMSNorm "
-        "(is_rms) or LayerNorm for an fp8 linear under delayed scaling: computed inside that "
-        "linear's cast (fp8_linear), any other use computes it in x.dtype (reported); its "
-        "backward is the norm's. Served only where fp8_unavailable() is None (cuda)"),
     "ssd_scan": Op(
         ".ssm:ssd_scan",
         "(x [b, l, h, p], dt [b, l, h], A [h] fp32, B [b, l, g, n], C [b, l, g, n], chunk_size, "

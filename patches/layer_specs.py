@@ -59,8 +59,6 @@ class BackendNorm:
 def build_norm_linear_class(backend):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-    from megatron_adapt.patches.fp8 import active_recipe
-
     rms_norm, layer_norm = backend.op("rms_norm"), backend.op("layer_norm")
 
     class AdaptLayerNormColumnParallelLinear(ColumnParallelLinear):
@@ -68,9 +66,7 @@ def build_norm_linear_class(backend):
 
         Under sequence parallelism the norm runs on the local sequence shard before the linear's
         all-gather, and its parameters carry `sequence_parallel=True` (Megatron all-reduces their
-        gradients across the TP group), as TE does. As an fp8 linear under delayed scaling (fp8
-        wgrad, no sequence parallelism), the norm runs inside the linear's cast (the backend's
-        fp8_norm, as TE's LayerNormLinear): its bf16 output is never written.
+        gradients across the TP group), as TE does.
         """
 
         def __init__(self, input_size, output_size, *, config, **kwargs):
@@ -91,18 +87,9 @@ def build_norm_linear_class(backend):
 
         def forward(self, input_, weight=None, runtime_gather_output=None):
             gamma = self.layer_norm_weight + 1 if self.zero_centered_gamma else self.layer_norm_weight
-            if self._norm_inside_the_fp8_cast():
-                normed = backend.op("fp8_norm")(input_, gamma, self.layer_norm_bias, self.eps, self.rms)
-            else:
-                normed = (rms_norm(input_, gamma, self.eps) if self.rms
-                          else layer_norm(input_, gamma, self.layer_norm_bias, self.eps))
+            normed = (rms_norm(input_, gamma, self.eps) if self.rms
+                      else layer_norm(input_, gamma, self.layer_norm_bias, self.eps))
             return super().forward(normed, weight, runtime_gather_output)
-
-        def _norm_inside_the_fp8_cast(self) -> bool:
-            recipe = active_recipe()
-            return (recipe is not None and recipe.recipe == "delayed" and recipe.wgrad
-                    and "fp8_norm" in backend.ops and hasattr(self, "fp8_scaling")
-                    and not getattr(self, "sequence_parallel", False))
 
     return AdaptLayerNormColumnParallelLinear
 

@@ -266,13 +266,12 @@ def _wgrad(ctx, dy2, xs, fp8_gemm, accumulate=None):
 
 
 def _deferred_or_2d(t, can_defer: bool):
-    """None for a deferred tensor this GEMM casts itself (fp8_deferred.Deferred: fp8_swiglu,
-    fp8_norm), else t as [rows, last dim] (a deferred one computed first where only fp8 copies
-    won't do)."""
+    """None for a deferred tensor this GEMM casts itself (fp8_swiglu: it has `fp8_quantize`),
+    else t as [rows, last dim] (a deferred one computed first where only fp8 copies won't do)."""
     if hasattr(t, "fp8_quantize"):
         if can_defer:
             return None
-        report.fell_back(t.op, t.fallback,
+        report.fell_back("fp8_swiglu", "SwiGLU in bf16, then its own cast",
                          "the linear also needs it in high precision (bf16 wgrad or a bias gradient)")
         t = t.materialize()
     return t.reshape(-1, t.shape[-1])
@@ -286,7 +285,7 @@ class _Fp8Linear(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fp8_wgrad = need_wgrad and r.wgrad
         x2 = _deferred_or_2d(x, fp8_wgrad or not need_wgrad)
-        if x2 is None:   # computed inside its cast (fp8_swiglu.SwigluOutput, fp8_norm.NormOutput)
+        if x2 is None:   # computed inside its cast (fp8_swiglu.SwigluOutput)
             x8, x8t, sx_inv = x.fp8_quantize(r.fwd_dtype, fp8_wgrad, scaling, "fwd", 0)
         else:
             x8, x8t, sx_inv = quantize(x2, r.fwd_dtype, fp8_wgrad, scaling, "fwd", 0)

@@ -20,13 +20,13 @@ through `fp8_quantize`) runs the activation, or its backward, inside the cast ke
 from __future__ import annotations
 
 import torch
+from torch.utils import _pytree as pytree
 
 from megatron_adapt import report
 from megatron_adapt.backends.fp8_scaling import FP8_MAX, Fp8Scaling
 
 from ._common import cdiv, interpreting
 from .fp8 import _cast_torch, _triton_here, triton
-from .fp8_deferred import Deferred, delayed_state
 
 if triton is not None:
     import triton.language as tl
@@ -116,10 +116,16 @@ def _tiles():
     return (16, 16, 4) if interpreting() else TILES
 
 
+def _state(scaling: Fp8Scaling, direction: str, slot: int):
+    if scaling.recipe.recipe != "delayed":
+        raise ValueError(f"fp8_swiglu serves delayed scaling only, not {scaling.recipe.recipe}")
+    return scaling.scale[direction][slot:slot + 1], scaling.amax_history[direction][0, slot:slot + 1]
+
+
 def _fused_cast(kernel, inputs, f, cols, dtype, transpose, scaling, direction, slot):
     """Launch one of the fused kernels over [M, F] tiles of inputs[0] ([M, 2F]); its fp8 output has
     `cols` columns (and a transposed copy where asked): (out, out^T or None, 1/scale)."""
-    scale, amax = delayed_state(scaling, direction, slot)
+    scale, amax = _state(scaling, direction, slot)
     x2 = inputs[0]
     M = x2.shape[0]
     out = torch.empty(M, cols, dtype=dtype, device=x2.device)
@@ -132,9 +138,32 @@ def _fused_cast(kernel, inputs, f, cols, dtype, transpose, scaling, direction, s
     return out, out_t, scale_inv
 
 
-class SwigluOutput(Deferred):
+class _Deferred(torch.Tensor):
+    """A tensor of this shape and dtype, not computed yet (see the module doc)."""
+
+    @staticmethod
+    def __new__(cls, shape, like: torch.Tensor, *parts):
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=like.dtype, device=like.device)
+        t.parts = parts
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        report.fell_back("fp8_swiglu", "SwiGLU in bf16, then its own cast",
+                         f"{func.__name__} on the deferred {cls.__name__}")
+
+        def real(t):
+            return t.materialize() if isinstance(t, _Deferred) else t
+        return func(*pytree.tree_map(real, args), **pytree.tree_map(real, kwargs or {}))
+
+    def materialize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SwigluOutput(_Deferred):
     """SwiGLU(x) for x [..., 2F] (fc1's output): [..., F]."""
-    op, fallback = "fp8_swiglu", "SwiGLU in bf16, then its own cast"
 
     def materialize(self):
         (x2,) = self.parts
@@ -145,15 +174,14 @@ class SwigluOutput(Deferred):
         (x2,) = self.parts
         if not _triton_here(x2):
             report.ran("fp8_swiglu", "torch (swiglu, then cast)")
-            return _cast_torch(swiglu_reference(x2), dtype, transpose, *delayed_state(scaling, direction, slot))
+            return _cast_torch(swiglu_reference(x2), dtype, transpose, *_state(scaling, direction, slot))
         report.ran("fp8_swiglu", "cuda.triton(swiglu + fp8 cast)")
         return _fused_cast(_swiglu_cast_kernel, (x2,), x2.shape[1] // 2, x2.shape[1] // 2, dtype, transpose,
                            scaling, direction, slot)
 
 
-class SwigluGrad(Deferred):
+class SwigluGrad(_Deferred):
     """SwiGLU's input gradient for x [..., 2F] and the output gradient d [..., F]: [..., 2F]."""
-    op, fallback = "fp8_swiglu", "SwiGLU in bf16, then its own cast"
 
     def materialize(self):
         x2, d2 = self.parts
@@ -164,7 +192,7 @@ class SwigluGrad(Deferred):
         x2, d2 = self.parts
         if not _triton_here(x2):
             report.ran("fp8_swiglu", "torch (swiglu backward, then cast)")
-            return _cast_torch(swiglu_grad_reference(x2, d2), dtype, transpose, *delayed_state(scaling, direction, slot))
+            return _cast_torch(swiglu_grad_reference(x2, d2), dtype, transpose, *_state(scaling, direction, slot))
         report.ran("fp8_swiglu", "cuda.triton(swiglu backward + fp8 cast)")
         return _fused_cast(_swiglu_grad_cast_kernel, (x2, d2), x2.shape[1] // 2, x2.shape[1], dtype, transpose,
                            scaling, direction, slot)

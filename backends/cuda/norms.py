@@ -357,7 +357,7 @@ class _Norm(torch.autograd.Function):
                 launch(_norm_fwd_loop, (rows,), x2, w, bb, y, mean, rstd, n, eps, IS_RMS=is_rms,
                        HAS_BIAS=has_bias, BLOCK=CHUNK, num_warps=8)
         ctx.save_for_backward(x2, w, mean, rstd)
-        ctx.is_rms = is_rms
+        ctx.is_rms, ctx.has_bias = is_rms, b is not None
         ctx.wdtype = weight.dtype
         ctx.bdtype = bias.dtype if bias is not None else None
         return y
@@ -365,47 +365,40 @@ class _Norm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, w, mean, rstd = ctx.saved_tensors
-        return (*norm_backward(x2, w, dy, mean, rstd, ctx.is_rms, ctx.wdtype, ctx.bdtype), None, None)
-
-
-def norm_backward(x2, w, dy, mean, rstd, is_rms, wdtype, bdtype):
-    """(dx, dw, db or None) of the norm of x2 [..., n] (contiguous) from its saved fp32 mean and
-    rstd; bdtype None: no bias. Also the backward of fp8_norm's deferred norm."""
-    has_bias = bdtype is not None
-    n = x2.shape[-1]
-    rows = rstd.shape[0]
-    dev = x2.device
-    dy2 = dy if dy.is_contiguous() else dy.contiguous()
-    dx = torch.empty_like(x2)
-    dw = torch.empty(n, dtype=wdtype, device=dev)
-    db = torch.empty(n, dtype=bdtype, device=dev) if has_bias else None
-    if not rows:
-        return dx, dw.zero_(), db.zero_() if db is not None else None
-    if not is_rms and next_pow2(n) == MAX_FUSED:
-        return _split_backward(is_rms, has_bias, x2, w, dy2, mean, rstd, dx, dw, db)
-    loop = n > MAX_FUSED
-    if loop:
-        block, tile, warps, prefetch = CHUNK, 1, 8, False
-    else:
-        block = next_pow2(n)
-        tile, warps, prefetch = _bwd_cfg(block, is_rms)
-    key = (is_rms, has_bias, block, loop, tile, warps, prefetch, x2.dtype, w.dtype, dev)
-    g = num_programs(dev, cdiv(rows, tile), per_sm=_RESIDENT.get(key, 2))
-    dw_part, db_part = _partials(torch.zeros if loop else torch.empty, has_bias, g, n, dev)
-    if loop:
-        k = launch(_norm_bwd_loop, (g,), x2, w, dy2, dx, mean, rstd, dw_part, db_part, rows, n, g,
-                   IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK=block, num_warps=warps)
-    else:
-        k = launch(_norm_bwd, (g,), x2, w, dy2, dx, mean, rstd, dw_part, db_part, rows, n, g,
-                   IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK=block, ROWS=tile,
-                   PREFETCH=prefetch, num_warps=warps)
-    if key not in _RESIDENT:
-        _RESIDENT[key] = _resident_programs(k, warps)
-    bn = 32
-    launch(_sum_partials, (cdiv(n, bn), 2 if has_bias else 1),
-           dw_part, db_part, dw, db if db is not None else dw, g, n,
-           HAS_BIAS=has_bias, BG=64, BN=bn, num_warps=4)
-    return dx, dw, db
+        n = x2.shape[-1]
+        rows = rstd.shape[0]
+        dev = x2.device
+        dy2 = dy if dy.is_contiguous() else dy.contiguous()
+        dx = torch.empty_like(x2)
+        dw = torch.empty(n, dtype=ctx.wdtype, device=dev)
+        db = torch.empty(n, dtype=ctx.bdtype, device=dev) if ctx.has_bias else None
+        if not rows:
+            return dx, dw.zero_(), db.zero_() if db is not None else None, None, None
+        if not ctx.is_rms and next_pow2(n) == MAX_FUSED:
+            return _split_backward(ctx, x2, w, dy2, mean, rstd, dx, dw, db)
+        loop = n > MAX_FUSED
+        if loop:
+            block, tile, warps, prefetch = CHUNK, 1, 8, False
+        else:
+            block = next_pow2(n)
+            tile, warps, prefetch = _bwd_cfg(block, ctx.is_rms)
+        key = (ctx.is_rms, ctx.has_bias, block, loop, tile, warps, prefetch, x2.dtype, w.dtype, dev)
+        g = num_programs(dev, cdiv(rows, tile), per_sm=_RESIDENT.get(key, 2))
+        dw_part, db_part = _partials(torch.zeros if loop else torch.empty, ctx.has_bias, g, n, dev)
+        if loop:
+            k = launch(_norm_bwd_loop, (g,), x2, w, dy2, dx, mean, rstd, dw_part, db_part, rows, n, g,
+                       IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BLOCK=block, num_warps=warps)
+        else:
+            k = launch(_norm_bwd, (g,), x2, w, dy2, dx, mean, rstd, dw_part, db_part, rows, n, g,
+                       IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BLOCK=block, ROWS=tile,
+                       PREFETCH=prefetch, num_warps=warps)
+        if key not in _RESIDENT:
+            _RESIDENT[key] = _resident_programs(k, warps)
+        bn = 32
+        launch(_sum_partials, (cdiv(n, bn), 2 if ctx.has_bias else 1),
+               dw_part, db_part, dw, db if db is not None else dw, g, n,
+               HAS_BIAS=ctx.has_bias, BG=64, BN=bn, num_warps=4)
+        return dx, dw, db, None, None
 
 
 def _partials(alloc, has_bias, groups, n, dev):
@@ -418,25 +411,25 @@ def _partials(alloc, has_bias, groups, n, dev):
     return part[0], part[1]
 
 
-def _split_backward(is_rms, has_bias, x2, w, dy2, mean, rstd, dx, dw, db):
+def _split_backward(ctx, x2, w, dy2, mean, rstd, dx, dw, db):
     """Wide rows: dx one row a program, then dw/db as a column reduction over row groups (x and
     dy read twice, but no program holds a row's weight-gradient partials next to the row)."""
     n = x2.shape[-1]
     rows = rstd.shape[0]
-    launch(_norm_bwd_dx, (rows,), x2, w, dy2, dx, mean, rstd, n, IS_RMS=is_rms,
+    launch(_norm_bwd_dx, (rows,), x2, w, dy2, dx, mean, rstd, n, IS_RMS=ctx.is_rms,
            BLOCK=next_pow2(n), num_warps=SPLIT_DX_WARPS)
     br, bn = SPLIT_TILE
     col_blocks = cdiv(n, bn)
     groups = max(1, min(cdiv(rows, br), num_programs(x2.device, rows, 4) // col_blocks + 1))
     rows_per = cdiv(cdiv(rows, groups), br) * br
     groups = cdiv(rows, rows_per)
-    dw_part, db_part = _partials(torch.empty, has_bias, groups, n, x2.device)
+    dw_part, db_part = _partials(torch.empty, ctx.has_bias, groups, n, x2.device)
     launch(_norm_bwd_dwdb, (col_blocks, groups), x2, dy2, mean, rstd, dw_part, db_part, rows, n,
-           rows_per, IS_RMS=is_rms, HAS_BIAS=has_bias, BR=br, BN=bn, num_warps=4)
-    launch(_sum_partials, (cdiv(n, 32), 2 if has_bias else 1),
+           rows_per, IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BR=br, BN=bn, num_warps=4)
+    launch(_sum_partials, (cdiv(n, 32), 2 if ctx.has_bias else 1),
            dw_part, db_part, dw, db if db is not None else dw, groups, n,
-           HAS_BIAS=has_bias, BG=64, BN=32, num_warps=4)
-    return dx, dw, db
+           HAS_BIAS=ctx.has_bias, BG=64, BN=32, num_warps=4)
+    return dx, dw, db, None, None
 
 
 @providers.selectable("rms_norm")

@@ -5,7 +5,6 @@
     python fp8_worker.py moe          the same with MoE experts (--moe-grouped-gemm) in fp8
     python fp8_worker.py weight_cache the fp8 weight cache across micro-batches, marked as Megatron's schedule does
     python fp8_worker.py swiglu       SwiGLU computed inside the fp8 casts (fp8_swiglu) against the unfused path
-    python fp8_worker.py norm         the norm before QKV / fc1 computed inside their fp8 casts (fp8_norm), likewise
 
 `train` and `moe` need fp8 GEMMs, which the cpu backend does not serve. It lends the cpu backend the
 cuda backend's own `fp8_linear` and `fp8_grouped_gemm` (torch's CPU build has `torch._scaled_mm` for float8, so the
@@ -32,7 +31,7 @@ import megatron_adapt  # noqa: E402
 from megatron_adapt import report  # noqa: E402
 
 scenario = sys.argv[1]
-if scenario in ("train", "moe", "weight_cache", "swiglu", "norm"):
+if scenario in ("train", "moe", "weight_cache", "swiglu"):
     from megatron_adapt.backends import cpu as cpu_backend
     from megatron_adapt.backends.cuda import fp8 as cuda_fp8
 
@@ -74,7 +73,7 @@ def calls():
 def model(**kw):
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
-    config = TransformerConfig(**{**BASE, **kw})
+    config = TransformerConfig(**BASE, **kw)
     return GPTModel(config, get_gpt_layer_with_transformer_engine_spec(), vocab_size=128,
                     max_sequence_length=32), config
 
@@ -333,45 +332,5 @@ def swiglu():
     }
 
 
-def norm():
-    """The TE spec's norm + linear (QKV, fc1) under delayed scaling, 3 layers x 2 steps, RMSNorm and
-    LayerNorm: without the backend's fp8_norm op (the norm, then the linear's own cast), then with it
-    lent as the cuda backend has it (the norm computed inside the linear's cast)."""
-    dist.init_process_group("nccl")
-    parallel_state.initialize_model_parallel(1, 1)
-    torch.manual_seed(1234)
-    tokens, labels = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
-    pos = torch.arange(32).unsqueeze(0).expand(2, -1)
-    for normalization in ("RMSNorm", "LayerNorm"):
-        kw = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4, normalization=normalization)
-        runs = {}
-        for name in ("unfused", "fused"):
-            cpu_backend.BACKEND.ops.pop("fp8_norm", None)
-            if name == "fused":
-                cpu_backend.BACKEND.ops["fp8_norm"] = "megatron_adapt.backends.cuda.fp8_norm:fp8_norm"
-            m, _ = model(**kw)
-            report.reset_op_counts()
-            losses, grads = [], None
-            for _ in range(2):   # the second step's scales come from the first step's amaxes
-                loss, grads = step(m, tokens, pos, labels, False)
-                losses.append(loss)
-            layer = m.decoder.layers[1]
-            runs[name] = {"losses": losses, "grads": grads, "calls": dict(report.op_counts().get("fp8_norm", {})),
-                          "history": [layer.self_attention.linear_qkv.fp8_scaling.amax_history["fwd"][:, 0].tolist(),
-                                      layer.mlp.linear_fc1.fp8_scaling.amax_history["fwd"][:, 0].tolist()]}
-        u, f = runs["unfused"], runs["fused"]
-        out[normalization] = {
-            "calls": f["calls"], "unfused_calls": u["calls"],
-            "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(f["losses"], u["losses"])),
-            "grad_rel": {n: rel(f["grads"][n], u["grads"][n]) for n in u["grads"] if u["grads"][n] is not None},
-            "history_rel": max(abs(a - b) / max(abs(b), 1e-12) for hf, hu in zip(f["history"], u["history"])
-                               for a, b in zip(hf, hu)),
-            "history_fused": f["history"],
-            "fallbacks": {o["implementation"]: o["fallback_reason"] for o in report.as_dict()["ops"]
-                          if o["op"] == "fp8_norm" and o["fallback_reason"]},
-        }
-
-
-{"refusal": refusal, "train": train, "moe": moe, "weight_cache": weight_cache, "swiglu": swiglu,
- "norm": norm}[scenario]()
+{"refusal": refusal, "train": train, "moe": moe, "weight_cache": weight_cache, "swiglu": swiglu}[scenario]()
 print("PROBE-JSON:" + json.dumps(out))
