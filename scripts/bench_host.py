@@ -19,9 +19,3 @@ def bench(fn) -> float:
     import triton.testing
     return triton.testing.do_bench(fn, warmup=10, rep=60)
 
-
-def bench_graphed(fn) -> float:
-    """Median ms of fn replayed from a CUDA graph: the GPU time of kernels too short for host launches
-    to keep up with (tens of microseconds on a slow host), as they run inside Megatron's graphs."""
-    import triton.testing
-    return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
