@@ -18,4 +18,3 @@ def bench(fn) -> float:
     """Median ms of fn on the GPU."""
     import triton.testing
     return triton.testing.do_bench(fn, warmup=10, rep=60)
-

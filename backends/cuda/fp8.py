@@ -165,12 +165,22 @@ def _amax_triton(x, skip=None):
     return amax
 
 
+def cast_outputs(M, N, dtype, transpose, device):
+    """What a tensorwise / delayed cast writes: (x8 [M, N], x8^T [N, M] or None, 1/scale [1] fp32)."""
+    return (torch.empty(M, N, dtype=dtype, device=device),
+            torch.empty(N, M, dtype=dtype, device=device) if transpose else None,
+            torch.empty(1, dtype=torch.float32, device=device))
+
+
+def delayed_state(scaling: Fp8Scaling, direction: str, slot: int):
+    """(scale [1], the amax slot [1] of the history's current row) of a delayed-scaling cast."""
+    return scaling.scale[direction][slot:slot + 1], scaling.amax_history[direction][0, slot:slot + 1]
+
+
 def _cast_triton(x, dtype, transpose, scale, amax, out=None, skip=None):
     M, N = x.shape
     if out is None:
-        out = (torch.empty(M, N, dtype=dtype, device=x.device),
-               torch.empty(N, M, dtype=dtype, device=x.device) if transpose else None,
-               torch.empty(1, dtype=torch.float32, device=x.device))
+        out = cast_outputs(M, N, dtype, transpose, x.device)
     y, yt, scale_inv = out
     current = scale is None
     BM, BN = (16, 16) if interpreting() else (64, 128)
@@ -211,8 +221,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool, scaling: Fp8S
         x = x.contiguous()
     delayed = scaling is not None and scaling.recipe.recipe == "delayed"
     if delayed:
-        scale = scaling.scale[direction][slot:slot + 1]
-        amax = scaling.amax_history[direction][0, slot:slot + 1]
+        scale, amax = delayed_state(scaling, direction, slot)
     else:
         scale = None
         amax = (_amax_triton(x, skip) if _triton_here(x)

@@ -26,7 +26,7 @@ from megatron_adapt import report
 from megatron_adapt.backends.fp8_scaling import FP8_MAX, Fp8Scaling
 
 from ._common import cdiv, interpreting
-from .fp8 import _cast_torch, _triton_here, triton
+from .fp8 import _cast_torch, _triton_here, cast_outputs, delayed_state, triton
 
 if triton is not None:
     import triton.language as tl
@@ -119,7 +119,7 @@ def _tiles():
 def _state(scaling: Fp8Scaling, direction: str, slot: int):
     if scaling.recipe.recipe != "delayed":
         raise ValueError(f"fp8_swiglu serves delayed scaling only, not {scaling.recipe.recipe}")
-    return scaling.scale[direction][slot:slot + 1], scaling.amax_history[direction][0, slot:slot + 1]
+    return delayed_state(scaling, direction, slot)
 
 
 def _fused_cast(kernel, inputs, f, cols, dtype, transpose, scaling, direction, slot):
@@ -128,9 +128,7 @@ def _fused_cast(kernel, inputs, f, cols, dtype, transpose, scaling, direction, s
     scale, amax = _state(scaling, direction, slot)
     x2 = inputs[0]
     M = x2.shape[0]
-    out = torch.empty(M, cols, dtype=dtype, device=x2.device)
-    out_t = torch.empty(cols, M, dtype=dtype, device=x2.device) if transpose else None
-    scale_inv = torch.empty(1, dtype=torch.float32, device=x2.device)
+    out, out_t, scale_inv = cast_outputs(M, cols, dtype, transpose, x2.device)
     BM, BN, warps = _tiles()
     kernel[(cdiv(M, BM), cdiv(f, BN))](*inputs, out, out if out_t is None else out_t, scale, amax, scale_inv,
                                        M, f, FP8_MAX=FP8_MAX[dtype], TRANSPOSE=transpose, BM=BM, BN=BN,
