@@ -10,8 +10,7 @@ runs just before that layer's backward:
 
   forward   pack: a saved device tensor of an offloaded layer (not a parameter, not a tensor that
             Megatron or TE marked do-not-offload, at least MIN_BYTES) is copied to pinned host
-            memory on a side stream that first waits for the compute stream (the backend's
-            `host_copy` op: on cuda an SM kernel under one hardware queue); the device memory
+            memory on a side stream that first waits for the compute stream; the device memory
             is returned to the allocator once that copy has run (`record_stream`).
             The layer-output function records the layer's "offloaded" event.
   backward  the layer-output function of layer i starts the reload of layer i - lookahead (on a
@@ -52,10 +51,8 @@ class ActivationOffload:
 
     inside_context = False
 
-    def __init__(self, num_layers: int, model_layers: int, streams: bool, on_offload=None, copy=None):
+    def __init__(self, num_layers: int, model_layers: int, streams: bool, on_offload=None):
         self.num_layers, self.model_layers = num_layers, model_layers
-        # copy(dst, src): the backend's host_copy op (queued on the current stream)
-        self.copy = copy or (lambda dst, src: dst.copy_(src, non_blocking=streams))
         # Reload layer j when the backward reaches layer j + lookahead: as early as possible while
         # the backward's live activations stay under the forward's peak (the model_layers -
         # num_layers layers kept on the device), so the copies overlap that many layers' backward.
@@ -107,10 +104,10 @@ class ActivationOffload:
             d2h = self._streams[0]
             d2h.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(d2h):
-                self.copy(host, t)
+                host.copy_(t, non_blocking=True)
             t.record_stream(d2h)
         else:
-            self.copy(host, t)
+            host.copy_(t)
         item = _Offloaded(host, t.device, self.layer)
         self._pending.setdefault(self.layer, []).append(item)
         self.tensors += 1
@@ -132,7 +129,7 @@ class ActivationOffload:
     # ---- moving a layer's tensors back
     def _reload(self, item: _Offloaded):
         if self._streams is None:
-            item.device_copy = self.copy(torch.empty_like(item.host, device=item.device), item.host)
+            item.device_copy = item.host.to(item.device, copy=True)
             return
         h2d = self._streams[1]
         offloaded = self._offloaded_event.get(item.layer)
@@ -146,7 +143,7 @@ class ActivationOffload:
         # memory would grow by what offloading saves); kept until the copy has run
         device_copy = torch.empty(item.host.shape, dtype=item.host.dtype, device=item.device)
         with torch.cuda.stream(h2d):
-            self.copy(device_copy, item.host)
+            device_copy.copy_(item.host, non_blocking=True)
             item.ready = h2d.record_event()
         device_copy.record_stream(h2d)
         item.device_copy = device_copy
@@ -194,8 +191,8 @@ class _LayerBoundary(torch.autograd.Function):
         return grad, None
 
 
-def offload_context(num_layers: int, model_layers: int, streams: bool, on_offload=None, copy=None):
+def offload_context(num_layers: int, model_layers: int, streams: bool, on_offload=None):
     """TE's `get_cpu_offload_context` pair: (context entered around each layer, the function
-    Megatron applies to each layer's output). copy: the backend's host_copy op."""
-    offload = ActivationOffload(num_layers, model_layers, streams, on_offload, copy)
+    Megatron applies to each layer's output)."""
+    offload = ActivationOffload(num_layers, model_layers, streams, on_offload)
     return offload, lambda hidden_states: _LayerBoundary.apply(hidden_states, offload)

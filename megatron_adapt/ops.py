@@ -173,12 +173,6 @@ OPS: dict[str, Op] = {
         "B / C [b, (s,) g, n], D [h, p] | None, z like x | None, dt_bias [h, p] | None, "
         "dt_softplus, state_batch_indices [b] | None, intermediate_ssm_states | None) -> y like x:"
         " Mamba-2's recurrence for decode (Megatron's selective_state_update)"),
-    "host_copy": Op(
-        ".host_copy:host_copy",
-        "(dst, src) -> dst: dst.copy_(src) between device memory and pinned host memory (either "
-        "way), queued on the current stream, dst safe to read once that stream has run it "
-        "(activation offloading's copies; the cuda backend uses SM kernels where the copy "
-        "engines would be serialised with the compute)"),
     "rng_get_state": Op(
         ".rng:get_state",
         '() -> state tensor of the generator Megatron calls "cuda"'),

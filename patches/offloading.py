@@ -52,8 +52,7 @@ def build_offload_context(backend, original):
         if not enabled or not activation_offloading or num_layers <= 0:
             return nullcontext(), None
         return offload_context(num_layers, model_layers, streams,
-                               on_offload=lambda: report.ran("activation_offload", impl),
-                               copy=backend.op("host_copy"))
+                               on_offload=lambda: report.ran("activation_offload", impl))
     return get_cpu_offload_context
 
 

@@ -7,12 +7,9 @@ layer-output function Megatron's transformer block uses.
 Per K: ms per step (CUDA events, median), the compute stream's busy time, the bytes moved, and
 from one profiled step how long the copies ran and how much of that time the compute stream was
 busy too ("hidden"). `--sweep` runs each setting in a fresh process (CUDA_DEVICE_MAX_CONNECTIONS
-must be set before CUDA starts) and writes one JSON. `--copy engine` makes every copy a copy-engine
-transfer (`copy_(non_blocking=True)`); the default `op` is the cuda backend's host_copy op (SM
-kernels under one hardware queue, the copy engine otherwise). `--bandwidth` measures the host link
-first: copy-engine transfers against the SM-kernel copy at several program counts, 1 GiB each way.
+must be set before CUDA starts) and writes one JSON.
 
-  python scripts/offload_overlap_probe.py --sweep --bandwidth --out OUT/offload_probe.json
+  python scripts/offload_overlap_probe.py --sweep --out OUT/offload_probe.json
 """
 from __future__ import annotations
 
@@ -55,9 +52,7 @@ def one_setting(args) -> dict:
     dev = torch.device("cuda")
     layers = torch.nn.ModuleList(Layer(args.hidden, args.ffn, args.heads)
                                  for _ in range(args.layers)).to(dev, torch.bfloat16)
-    from megatron_adapt.backends.cuda.host_copy import host_copy
-    copy = host_copy if args.copy == "op" else (lambda dst, src: dst.copy_(src, non_blocking=True))
-    ctx, boundary = (offload_context(args.offload, args.layers, streams=True, copy=copy)
+    ctx, boundary = (offload_context(args.offload, args.layers, streams=True)
                      if args.offload else (None, None))
     xs = [torch.randn(args.seq, args.mbs, args.hidden, device=dev, dtype=torch.bfloat16,
                       requires_grad=True) for _ in range(args.micro_batches)]
@@ -86,8 +81,7 @@ def one_setting(args) -> dict:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    out = {"offloaded_layers": args.offload, "copy": args.copy,
-           "max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+    out = {"offloaded_layers": args.offload, "max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
            "ms_per_step": statistics.median(times), "ms_all": times,
            "max_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
            "gb_each_way_per_step": (ctx.forward_bytes * args.micro_batches / 1e9) if ctx else 0.0}
@@ -104,15 +98,13 @@ def profile_step(step) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
-    kernels, d2h, h2d, copy_kernels = [], [], [], []
+    kernels, d2h, h2d = [], [], []
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
             continue
         cat, name = e.get("cat", ""), e.get("name", "")
         span = (e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("stream"))
-        if cat == "kernel" and "_copy_kernel" in name:
-            copy_kernels.append(span)     # host_copy's SM copies: d2h on the stream that ran first
-        elif cat == "kernel":
+        if cat == "kernel":
             kernels.append(span)
         elif cat == "gpu_memcpy" and "DtoH" in name:
             d2h.append(span)
@@ -120,10 +112,6 @@ def profile_step(step) -> dict:
             h2d.append(span)
     if not kernels:
         return {"profile": "no kernels recorded"}
-    if copy_kernels:
-        first = min(copy_kernels)[2]
-        d2h += [c for c in copy_kernels if c[2] == first]
-        h2d += [c for c in copy_kernels if c[2] != first]
     compute_stream = statistics.mode(k[2] for k in kernels)
     compute = union([k[:2] for k in kernels if k[2] == compute_stream])
     t0 = min(s for s, _ in compute)
@@ -168,38 +156,6 @@ def length(spans):
     return sum(e - s for s, e in spans)
 
 
-def bandwidth(gib: float = 1.0, reps: int = 5) -> dict:
-    """GB/s between the device and pinned host memory: copy-engine transfers, and host_copy's SM
-    kernel at several program counts (each way; median of `reps`)."""
-    from megatron_adapt.backends.cuda import host_copy as hc
-    n = int(gib * (1 << 30)) // 4
-    dev = torch.empty(n, dtype=torch.int32, device="cuda").random_()
-    host = torch.empty(n, dtype=torch.int32, pin_memory=True)
-
-    def rate(fn):
-        fn()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return round(n * 4 / statistics.median(times) / 1e6, 1)
-
-    out = {"bytes": n * 4,
-           "engine_d2h": rate(lambda: host.copy_(dev, non_blocking=True)),
-           "engine_h2d": rate(lambda: dev.copy_(host, non_blocking=True))}
-    for programs in (2, 4, 8, 16, 32, 64):
-        hc.PROGRAMS = programs
-        out[f"sm{programs}_d2h"] = rate(lambda: hc._kernel_copy(host, dev))
-        out[f"sm{programs}_h2d"] = rate(lambda: hc._kernel_copy(dev, host))
-    torch.cuda.synchronize()
-    assert torch.equal(host[:1 << 20], dev[:1 << 20].cpu())
-    return out
-
-
 SHAPE = ("layers", "hidden", "ffn", "heads", "seq", "mbs", "micro_batches", "iters")
 
 
@@ -214,38 +170,27 @@ def main():
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--offload", type=int, default=0, help="layers offloaded (the first K)")
-    p.add_argument("--copy", choices=("op", "engine"), default="op",
-                   help="op: the cuda backend's host_copy; engine: copy_(non_blocking=True)")
-    p.add_argument("--sweep", action="store_true",
-                   help="K = 0, 2, 4 with max connections 1 (both copies) and 8")
-    p.add_argument("--bandwidth", action="store_true", help="with --sweep: the host link first")
+    p.add_argument("--sweep", action="store_true", help="K = 0, 2, 4, 8 with max connections 1 and 8")
     p.add_argument("--out", default=None)
-    p.add_argument("--measure-bandwidth", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.measure_bandwidth:
-        print(json.dumps(bandwidth()), flush=True)
-        return
     if not args.sweep:
         print(json.dumps(one_setting(args)), flush=True)
         return
-    def fresh(conns, *flags):
-        env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS=conns)
-        r = subprocess.run([sys.executable, __file__, *flags], env=env, capture_output=True, text=True)
-        line = [l for l in r.stdout.splitlines() if l.startswith("{")]
-        res = json.loads(line[-1]) if line else {"flags": flags, "error": r.stderr[-2000:]}
-        res.pop("ms_all", None)
-        print(json.dumps(res), flush=True)
-        return res
-
-    cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout.strip()
-    link = fresh("1", "--measure-bandwidth") if args.bandwidth else None
-    shape = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in SHAPE]
     results = []
-    for conns, copy, ks in (("1", "engine", (0, 2, 4)), ("1", "op", (2, 4)), ("8", "op", (0, 2, 4))):
-        for k in ks:
-            results.append(fresh(conns, "--offload", str(k), "--copy", copy, *shape))
+    cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout.strip()
+    for conns in ("1", "8"):
+        for k in (0, 2, 4, 8):
+            env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS=conns)
+            cmd = [sys.executable, __file__, "--offload", str(k)] + [
+                f"--{name.replace('_', '-')}={getattr(args, name)}" for name in SHAPE]
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            line = [l for l in r.stdout.splitlines() if l.startswith("{")]
+            res = json.loads(line[-1]) if line else {"offloaded_layers": k, "error": r.stderr[-2000:]}
+            res.pop("ms_all", None)
+            print(json.dumps(res), flush=True)
+            results.append(res)
     doc = {"gpu": torch.cuda.get_device_name(), "host_cpu": cpu, "torch": torch.__version__,
-           "shape": vars(args), "host_link_gb_per_s": link, "results": results}
+           "shape": vars(args), "results": results}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
