@@ -328,6 +328,21 @@ def test_skip_table_entries_are_well_formed_and_give_a_reason():
         pytest_plugin.Skip("tests/unit_tests/x.py", "flaky", "no such category")
 
 
+def test_a_memory_skip_applies_only_on_a_host_with_less_memory(monkeypatch):
+    big = pytest_plugin.Skip("tests/unit_tests/x.py::test_big", "memory", "needs 53 GB of host memory for 2 ranks",
+                             backends=("cpu",), needs_host_gb=64)
+    monkeypatch.setattr(pytest_plugin, "SKIPS", [big])
+    from megatron_adapt.versions import megatron_core_version
+    version = megatron_core_version()
+    mem_total_kb = int(next(l for l in open("/proc/meminfo") if l.startswith("MemTotal:")).split()[1])
+    assert abs(pytest_plugin.host_memory_gb() - mem_total_kb * 1024 / 1e9) < 0.05 * pytest_plugin.host_memory_gb()
+    monkeypatch.setattr(pytest_plugin, "host_memory_gb", lambda: 24.0)
+    assert pytest_plugin.skips_for("cpu", version) == [big]
+    assert pytest_plugin.skips_for("cuda", version) == []
+    monkeypatch.setattr(pytest_plugin, "host_memory_gb", lambda: 251.0)
+    assert pytest_plugin.skips_for("cpu", version) == []
+
+
 def test_a_test_past_its_time_limit_fails_and_the_run_goes_on(tmp_path):
     make_tree(tmp_path)
     (tmp_path / "tests" / "unit_tests" / "test_slow.py").write_text(textwrap.dedent("""
