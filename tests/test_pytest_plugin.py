@@ -2,6 +2,7 @@
 checkout needed): a conftest that downloads and asks is_te_min_version, a Utils with
 initialize_model_parallel, a test module importing Transformer Engine's fp8 names at module level.
 The real suite runs in tests/megatron_lm/test_megatron_unit_tests.py."""
+import inspect
 import json
 import os
 import shutil
@@ -341,6 +342,22 @@ def test_a_memory_skip_applies_only_on_a_host_with_less_memory(monkeypatch):
     assert pytest_plugin.skips_for("cuda", version) == []
     monkeypatch.setattr(pytest_plugin, "host_memory_gb", lambda: 251.0)
     assert pytest_plugin.skips_for("cpu", version) == []
+
+
+def test_a_conditional_skip_applies_only_while_its_condition_holds(monkeypatch):
+    from megatron_adapt.versions import megatron_core_version
+    version = megatron_core_version()
+    state = {"lacks": True}
+    cond = pytest_plugin.Skip("tests/unit_tests/x.py::test_profiled", "torch", "reads a newer torch's profiler field",
+                              backends=("cuda",), when=lambda: state["lacks"])
+    monkeypatch.setattr(pytest_plugin, "SKIPS", [cond])
+    assert pytest_plugin.skips_for("cuda", version) == [cond]
+    state["lacks"] = False
+    assert pytest_plugin.skips_for("cuda", version) == []
+    # the real check: this machine's torch (2.13) has the field, so the mfsdp_v2 entries do not apply here
+    from torch.autograd.profiler_util import FunctionEvent
+    has = "linked_correlation_id" in inspect.signature(FunctionEvent.__init__).parameters
+    assert pytest_plugin.torch_profiler_lacks_linked_correlation_id() is (not has)
 
 
 def test_a_test_past_its_time_limit_fails_and_the_run_goes_on(tmp_path):

@@ -190,7 +190,10 @@ class FusedVocabParallelCrossEntropy(torch.autograd.Function):
         warps = FWD_WARPS if block >= 2048 else 4
         split, piece = _split(rows, part, block, x.device)
         final = world == 1
-        loss = torch.empty(rows, dtype=torch.float32, device=x.device)
+        # In the target's shape from the start: the output must not be a view made in here, since
+        # Megatron's schedules scale the loss in place (`output_tensor *= cp_group_size`), which
+        # autograd refuses on a custom Function's view output (and on views of it).
+        loss = torch.empty(target.shape, dtype=torch.float32, device=x.device)
         lse = torch.empty_like(loss)
         if final and split == 1:
             if rows:
@@ -210,14 +213,14 @@ class FusedVocabParallelCrossEntropy(torch.autograd.Function):
                                                       FINAL=final, BR=br, BS=next_pow2(split),
                                                       num_warps=4)
             if not final:
-                loss, lse = _reduce_stats(stats, t, start, part, world, tp_group, smooth,
-                                          smoothing, vocab)
+                loss, lse = _reduce_stats(stats.view(stats.size(0), *target.shape), t.view(target.shape),
+                                          start, part, world, tp_group, smooth, smoothing, vocab)
         ctx.save_for_backward(x, t, lse)
         ctx.cfg = (start, part, smoothing, vocab, logits.shape)
         ctx.consumed = False
         # A leaf the caller holds (rare: tests, not Megatron) keeps its values: write a new buffer.
         ctx.inplace = not (logits.is_leaf and x.data_ptr() == logits.data_ptr())
-        return loss.view(target.shape)
+        return loss
 
     @staticmethod
     def backward(ctx, grad_output):

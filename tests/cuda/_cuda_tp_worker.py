@@ -33,6 +33,7 @@ def run(rank, world, init_file, logits, target, smoothing, grad_out, results):
         inp = local * 1.0  # a non-leaf, as Megatron's logits: the gradient is written in place
         inp.retain_grad()
         loss = vocab_parallel_cross_entropy(inp, target, smoothing, dist.group.WORLD)
+        loss *= 1.0   # Megatron's schedules scale the loss in place: the output must allow it
         loss.backward(grad_out)
         counts = report.op_counts()["vocab_parallel_cross_entropy"]
         results.put((rank, loss.detach().cpu().numpy(), local.grad.detach().cpu().numpy(), sorted(counts),

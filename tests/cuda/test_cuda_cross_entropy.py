@@ -59,6 +59,29 @@ def test_leaf_logits_are_not_overwritten_and_3d_shapes():
     assert_close(logits.grad, ref_grad, torch.float32)
 
 
+@pytest.mark.parametrize("split", [1, 3])
+def test_the_loss_can_be_scaled_in_place_as_megatrons_schedules_do(split, monkeypatch):
+    """Megatron's loss path: compute_language_model_loss returns `loss.transpose(0, 1).contiguous()`
+    (a view when the micro-batch is 1), and forward_step scales it in place
+    (`output_tensor *= cp_group_size`). Autograd refuses that on a view a custom Function made,
+    so the op's output must be a tensor of its own (it was `loss.view(target.shape)`; found by
+    Megatron's test_pipeline_layout.py::test_forward_vpp at 2 ranks)."""
+    monkeypatch.setattr(ce, "SPLIT", split)
+    seq, vocab = (6, 9000) if not GPU else (64, 50257)
+    torch.manual_seed(split)
+    logits = torch.randn(seq, 1, vocab, device=DEVICE) * 4
+    target = torch.randint(0, vocab, (seq, 1), device=DEVICE)
+    ref_loss, ref_grad = reference(logits, target, 0.0)
+    inp = logits.clone().requires_grad_()
+    loss = ce.vocab_parallel_cross_entropy(inp * 1, target)
+    assert loss._base is None
+    out = loss.transpose(0, 1).contiguous()   # [s, 1] -> [1, s]: already contiguous, a view
+    out *= 2.0
+    out.sum().backward()
+    assert_close(out, 2 * ref_loss.transpose(0, 1), torch.float32, "loss", scale=5.0)
+    assert_close(inp.grad, 2 * ref_grad, torch.float32, "grad", scale=2.0)
+
+
 def test_second_backward_through_consumed_buffer_raises():
     x = torch.randn(4, 10, device=DEVICE, requires_grad=True) * 1
     loss = ce.vocab_parallel_cross_entropy(x, torch.zeros(4, dtype=torch.long, device=DEVICE))
