@@ -344,6 +344,54 @@ def test_a_memory_skip_applies_only_on_a_host_with_less_memory(monkeypatch):
     assert pytest_plugin.skips_for("cpu", version) == []
 
 
+LIFTED_MODULE = """
+import pytest
+from megatron.core.utils import is_te_min_version
+
+@pytest.mark.skipif(not is_te_min_version("1.7.0.dev0"),
+                    reason="Expert with TE Linear is only supported in TE 1.7.0 and later.")
+def test_served():
+    pass
+
+@pytest.mark.skipif(not is_te_min_version("1.9.0.dev0"),
+                    reason="TE Grouped MLP is only supported in TE 1.9.0.dev0 and later.")
+class TestServedClass:
+    def test_in_class(self):
+        pass
+
+@pytest.mark.skipif(not is_te_min_version("1.5.0"),
+                    reason="use_te_rng_tracker requires TransformerEngine version >= 1.5")
+def test_not_served():
+    pass
+
+@pytest.mark.skipif(True, reason="CUDA not available")
+@pytest.mark.skipif(not is_te_min_version("1.7.0"),
+                    reason="Transformer Engine under v1.7.0 doesn't support MoE training.")
+def test_served_but_another_skipif_holds():
+    pass
+"""
+
+
+def test_megatrons_te_version_skipifs_for_served_features_are_lifted(tmp_path):
+    make_tree(tmp_path)
+    (tmp_path / "tests/unit_tests/models/test_lifted.py").write_text(textwrap.dedent(LIFTED_MODULE))
+    proc = run_pytest(tmp_path, "-p", "megatron_adapt.apps.pytest_plugin",
+                      "--megatron-adapt-json", str(tmp_path / "out" / "rank{rank}.json"))
+    report = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    mod = "tests/unit_tests/models/test_lifted.py::"
+    tests = {k[len(mod):]: v for k, v in report["tests"].items() if k.startswith(mod)}
+    assert tests["test_served"]["outcome"] == "passed", (tests, proc.stdout[-3000:])
+    assert tests["TestServedClass::test_in_class"]["outcome"] == "passed", tests
+    assert tests["test_not_served"] == {"outcome": "skipped",
+                                       "reason": "use_te_rng_tracker requires TransformerEngine version >= 1.5"}
+    assert tests["test_served_but_another_skipif_holds"] == {"outcome": "skipped", "reason": "CUDA not available"}
+    lifted = {k[len(mod):]: v for k, v in report["lifted_skipifs"].items() if k.startswith(mod)}
+    assert lifted == {
+        "test_served": ["Expert with TE Linear is only supported in TE 1.7.0 and later."],
+        "TestServedClass::test_in_class": ["TE Grouped MLP is only supported in TE 1.9.0.dev0 and later."],
+        "test_served_but_another_skipif_holds": ["Transformer Engine under v1.7.0 doesn't support MoE training."]}
+
+
 def test_a_conditional_skip_applies_only_while_its_condition_holds(monkeypatch):
     from megatron_adapt.versions import megatron_core_version
     version = megatron_core_version()

@@ -11,6 +11,8 @@ Loaded without `-p` it does nothing (there is no entry point). Enabled, it:
 - refuses to run unless megatron-adapt is applied in the process (no silent stock run);
 - skips, with the reason and its category, each test in SKIPS (a table: needs Transformer Engine
   by design, needs a CUDA device, needs a download, ...) for the running backend;
+- lifts Megatron's own `skipif`s that ask TE's version for a feature megatron-adapt serves
+  (SERVED_TE_SKIPIFS), so those tests run; the JSON lists what it lifted;
 - skips a test whose `Utils.initialize_model_parallel(...)` asks for a layout the world size cannot
   hold (TP x PP x CP, EP x ETP x PP), naming it: Megatron's tests are written for 8 GPUs;
 - serves the two names Megatron's test modules import from Transformer Engine at module level
@@ -84,6 +86,40 @@ def torch_profiler_lacks_linked_correlation_id() -> bool:
     from torch.autograd.profiler_util import FunctionEvent
 
     return "linked_correlation_id" not in inspect.signature(FunctionEvent.__init__).parameters
+
+
+# Megatron's own `skipif`s that ask Transformer Engine's version for a feature megatron-adapt serves
+# without TE. The plugin lifts them, so the test runs; keyed by Megatron's reason, valued by what
+# serves it. A lifted test that still cannot run gets an entry in SKIPS, with its own category.
+SERVED_TE_SKIPIFS = {
+    "Expert with TE Linear is only supported in TE 1.7.0 and later.":
+        "the TE spec's experts (TEGroupedMLP, SequentialMLP of TE linears) on megatron-adapt's linears",
+    "Transformer Engine under v1.7.0 doesn't support MoE training.":
+        "SequentialMLP of the TE spec's linears, served by megatron-adapt",
+    "TE Grouped MLP is only supported in TE 1.9.0.dev0 and later.":
+        "TEGroupedMLP on megatron-adapt's grouped linears",
+}
+# Not lifted (2026-11-28): "grouped_gemm requires TransformerEngine >= 2.1.0" (test_upcycling.py,
+# test_multi_token_prediction.py). Lifted on cpu, test_upcycling_TE's four granularity-2 cases failed
+# their dense-vs-MoE allclose (rtol = atol = 0.1): mean |diff| 0.018, max 0.34, 0.13 % of the logits
+# outside; granularity 1: max 0.0078. Not explained yet (docs/megatron-unit-tests.md).
+
+
+def _lift_served_skipifs(item) -> list[str]:
+    """Remove from the item's chain the true `skipif` marks whose reason SERVED_TE_SKIPIFS names;
+    return the reasons lifted."""
+    lifted = []
+    for node in item.listchain():
+        kept = []
+        for mark in node.own_markers:
+            reason = mark.kwargs.get("reason")
+            if (mark.name == "skipif" and reason in SERVED_TE_SKIPIFS
+                    and mark.args and all(a is True for a in mark.args)):
+                lifted.append(reason)
+                continue
+            kept.append(mark)
+        node.own_markers[:] = kept
+    return lifted
 
 
 UT = "tests/unit_tests/"
@@ -412,6 +448,13 @@ SKIPS: list[Skip] = [
                 "test_fully_shard.py::test_hsdp_defers_dp_outer_allreduce_to_last_microbatch",
                 "test_symmetric_memory.py::test_fully_shard_symmetric_memory_matches_default_and_profiles_nccl[[]*",
                 "test_symmetric_memory.py::test_fully_shard_zero_cta_moves_all_gather_to_copy_engine")),
+    Skip(UT + "transformer/moe/test_grouped_mlp.py::TestTEGroupedMLP::*", "internals",
+         "asserts that the TE spec builds TEGroupedMLP for bias-free experts; on core 0.15 - 0.16 megatron-adapt's "
+         "spec keeps Megatron's legacy GroupedMLP there in bf16 (TEGroupedMLP only with biases or fp8; "
+         "docs/moe.md)", versions=">=0.15.0,<0.17.0"),
+    Skip(UT + "transformer/moe/test_latent_moe_layer.py::TestLatentMoELayer::test_latent_moe_layer[[]*", "te",
+         "--moe-latent-size: Megatron's MoELayer builds the latent projections from TE's TELinear only (it "
+         "asserts HAVE_TE at model build); megatron-adapt refuses the flag at start on every backend"),
     Skip(UT + "distributed/mfsdp_v2/test_optimizer.py::*", "te",
          "imports TE's FusedAdam (transformer_engine.pytorch.optimizers) at module level: TE's "
          "optimizer over Megatron-FSDP's sharded parameters"),
@@ -508,6 +551,7 @@ class _Plugin:
         self.skips = skips_for(self.backend, self.version)
         self.outcomes: dict[str, dict] = {}
         self.deselected: list[str] = []
+        self.lifted: dict[str, list[str]] = {}   # node id -> Megatron skipif reasons lifted (served)
         _pg_timeout(config.getoption("--megatron-adapt-pg-timeout"))
         if self.backend == "cpu":
             _free_groups_on_destroy()
@@ -529,6 +573,9 @@ class _Plugin:
     # -- skips and the TE shim ---------------------------------------------------------------
     def pytest_collection_modifyitems(self, config, items):
         for item in items:
+            lifted = _lift_served_skipifs(item)
+            if lifted:
+                self.lifted[item.nodeid] = lifted
             reason = skip_reason(item.nodeid, self.skips) or _layout_from_params(item)
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
@@ -651,7 +698,8 @@ class _Plugin:
             json.dump({"rank": _rank(), "world_size": _world(), "backend": self.backend,
                        "megatron_core": str(self.version), "finished": finished,
                        "markexpr": self.config.getoption("markexpr") or None,
-                       "deselected": self.deselected, "tests": self.outcomes}, f, indent=1)
+                       "deselected": self.deselected, "lifted_skipifs": self.lifted,
+                       "tests": self.outcomes}, f, indent=1)
         os.replace(path + ".tmp", path)
 
 
