@@ -98,6 +98,10 @@ SERVED_TE_SKIPIFS = {
         "SequentialMLP of the TE spec's linears, served by megatron-adapt",
     "TE Grouped MLP is only supported in TE 1.9.0.dev0 and later.":
         "TEGroupedMLP on megatron-adapt's grouped linears",
+    "TEGroupedMLP is only supported in TE 1.9.0 and later.":
+        "TEGroupedMLP on megatron-adapt's grouped linears, with TE's checkpoint layout",
+    "Fused RoPE requires TE >= 1.4.0":
+        "`apply_rope_fusion`: the backend's rope op (area `rope`)",
 }
 # Not lifted (2026-11-28): "grouped_gemm requires TransformerEngine >= 2.1.0" (test_upcycling.py,
 # test_multi_token_prediction.py). Lifted on cpu, test_upcycling_TE's four granularity-2 cases failed
