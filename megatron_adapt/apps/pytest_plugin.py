@@ -575,6 +575,7 @@ class _Plugin:
         _guard_world_size(utilities.Utils)
 
     # -- skips and the TE shim ---------------------------------------------------------------
+    @pytest.hookimpl(trylast=True)   # after `-k` / `-m` deselection: only the tests that run
     def pytest_collection_modifyitems(self, config, items):
         for item in items:
             lifted = _lift_served_skipifs(item)
