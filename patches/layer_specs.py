@@ -598,6 +598,10 @@ SPECS = [
     # TE specs and the hybrid spec give them.
     *_te_name_specs("megatron.core.transformer.multi_latent_attention",
                     ("TEColumnParallelLinear", "TELayerNormColumnParallelLinear")),
+    # core 0.19's --mla-down-proj-fusion: HybridStack._fuse_mla_down_proj gives FusedMLASelfAttention its
+    # module's TELayerNormColumnParallelLinear as the fused norm + q/kv down projection.
+    *_te_name_specs("megatron.core.models.hybrid.hybrid_block", ("TELayerNormColumnParallelLinear",),
+                    optional=True, versions=">=0.19.0,<0.20.0"),
     # absorbed_mla is in core 0.17 on (0.16's package has only dsa.py: its spec would wait forever)
     PatchSpec("megatron.core.transformer.experimental_attention_variant.absorbed_mla:TELinear",
               area="layer_specs", build=build_mla_te_linear, create=True, optional=True,

@@ -39,7 +39,8 @@ TOP = "(top-level files)"
 NPROC = {"cpu": 2, "cuda": 1, "npu": 1}
 # a rough cost per byte of test file, by directory and backend, to start the long chunks first
 SLOW = {("cpu", "dist_checkpointing"): 4, ("cpu", "inference"): 2, ("cpu", "ssm"): 3,
-        ("cpu", "transformer"): 2, ("cuda", "inference"): 2, ("cuda", "dist_checkpointing"): 2}
+        ("cpu", "transformer"): 2, ("cuda", "inference"): 2, ("cuda", "dist_checkpointing"): 2,
+        ("cuda", "ssm"): 3}
 
 
 def chunks_of(tag: str, lm: str, backend: str, per_run: int) -> list[dict]:

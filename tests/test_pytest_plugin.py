@@ -253,6 +253,13 @@ def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
     make_tree(tmp_path)
     # the same import in a module the skip table does not list stays a collection error
     (tmp_path / "tests/unit_tests/dist_checkpointing/test_unlisted_te.py").write_text(TE_LIBRARY_MODULE)
+    # a listed module that imports another test module which imports TE's fp8 names (Megatron's
+    # test_dynamic_sink_attention_e2e imports test_dynamic_engine); collected before that module
+    (tmp_path / "tests/unit_tests/inference").mkdir()
+    (tmp_path / "tests/unit_tests/inference/__init__.py").write_text("")
+    (tmp_path / "tests/unit_tests/inference/test_dynamic_sink_attention_e2e.py").write_text(
+        "from tests.unit_tests.models.test_gpt_model import check_fp8_support\n\n"
+        "def test_imports_a_te_importing_test_module():\n    assert check_fp8_support()[0] is False\n")
     # A skip-table entry for one test of this tree, as the real table has for Megatron's files.
     table = tmp_path / "extra_skip.py"
     table.write_text(textwrap.dedent("""
@@ -288,6 +295,7 @@ def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
     assert tests["test_after_the_container"]["outcome"] == "passed", tests["test_after_the_container"]
     assert tests["test_destroy_frees_the_groups"]["outcome"] == "passed", tests["test_destroy_frees_the_groups"]
     assert tests["test_layout_parsing[8]"]["outcome"] == "passed", tests
+    assert tests["test_imports_a_te_importing_test_module"]["outcome"] == "passed", tests
     te_classes = {k: v for k, v in report["tests"].items() if "test_hybrid_model.py" in k}
     assert len(te_classes) == 2 and all(v["outcome"] == "passed" for v in te_classes.values()), te_classes
     at_import = {k: v for k, v in report["tests"].items() if "test_mimo_1f1b_schedule.py" in k}

@@ -37,6 +37,7 @@ import contextlib
 import fnmatch
 import functools
 import importlib
+import importlib.util
 import inspect
 import gc
 import json
@@ -179,6 +180,10 @@ SKIPS: list[Skip] = [
     Skip(UT + "tensor_parallel/test_random.py::test_double_fork_cuda_rng_states_tracker[[]True]", "cuda",
          "use_cudagraphable_rng=True asserts torch.cuda.CUDAGraph.register_generator_state and "
          "graph-safe CUDA generator states", backends=NOT_GPU),
+    Skip(UT + "test_nccl_allocator.py::TestNCCLAllocator::test_nccl_allocator_init_sets_env_vars", "cuda",
+         "nccl_allocator.init() compiles Megatron's NCCL memory-pool extension with CUDA "
+         "(torch.utils.cpp_extension: no GPU arch to build for when no GPU is visible) and turns on NCCL's "
+         "NVLS", backends=NOT_GPU),
     Skip(UT + "tensor_parallel/test_random.py::test_convert_cuda_rng_state", "cuda",
          "converts between plain and CUDA-graph-safe CUDA generator states "
          "(use_cudagraphable_rng=True)", backends=NOT_GPU),
@@ -326,6 +331,10 @@ SKIPS: list[Skip] = [
     Skip(UT + "post_training/test_modelopt_module_spec.py::*", "te",
          "ModelOpt's layer spec (post_training/modelopt/layers.py) builds TE layers and raises "
          "\"Transformer-Engine is not installed\" at construction"),
+    Skip(UT + "post_training/test_freeze_base_for_mtp.py::*", "te",
+         "builds its GPT model from ModelOpt's layer spec (get_gpt_modelopt_spec), whose norms are TE's "
+         "(post_training/modelopt/layers.py raises \"Transformer-Engine is not installed\")",
+         versions=">=0.19.0,<0.20.0"),
     Skip(UT + "distributed/test_param_and_grad_buffer.py::test_grad_sync[[]2-*", "ranks",
          "num_distributed_optimizer_instances=2 needs a data-parallel size divisible by 2 "
          "(parallel_state.py: \"Data parallel size should be divisible by partial DistOpt shard factor\")",
@@ -432,6 +441,11 @@ SKIPS: list[Skip] = [
     Skip(UT + "transformer/test_spec_customization.py::*", "te",
          "`import transformer_engine as te` at module level and builds TE's own te.pytorch modules "
          "(Linear, LayerNormLinear) into custom specs: tests of TE's library"),
+    Skip(UT + "distributed/mfsdp_v1/test_mcore_fully_sharded_data_parallel.py::TestFullyShardedDataParallel::"
+         "test_fsdp_db_persist_buf_on_alloc_fail", "ranks",
+         "expects an FSDP unit outside the fixed double-buffer pool, which a data-parallel group of one rank does "
+         "not shard (cpu, core_v0.19.0: fails with 1 process, passes with 2; failed so on one H200)",
+         versions=">=0.19.0,<0.20.0", needs_world=2),
     Skip(UT + "fusions/test_rmsnorm_residual_fusion.py::*", "te",
          "tests TEFusedResidualRMSNorm against transformer_engine.pytorch.RMSNorm (imported at module "
          "level): TE's own fused kernel"),
@@ -481,6 +495,8 @@ TE_IMPORTING_MODULES = {UT + "models/test_gpt_model.py", UT + "models/test_mamba
 # isinstance). While one of them runs, the names are the classes megatron-adapt's layer-spec
 # provider gives for them, the classes the model was built from (see _te_classes).
 TE_CLASS_TESTS = (UT + "models/test_hybrid_model.py::TestMLAQKNormResolution::*",
+                  UT + "models/test_hybrid_model.py::TestMLAQKNormSpecValidation::*",
+                  UT + "models/test_hybrid_model.py::TestMLADownProjFusion::*",
                   UT + "models/test_hybrid_model.py::TestDSAQKNormResolution::*",
                   # build DSA's indexer from TELinear / TENorm imported inside the test
                   *(DSA_TESTS + c + "::*" for c in ("TestDSAIndexer", "TestDSAttention", "TestIndexerTensorParallel",
@@ -926,9 +942,16 @@ def _te_classes():
             setattr(te_ext, name, value)
 
 
-def _preimport_megatron(path: str):
+def _preimport_megatron(path: str, _seen=None):
     """Import the megatron modules a test module imports, before the TE shim exists: Megatron's
-    own `try: import transformer_engine` must keep answering "absent"."""
+    own `try: import transformer_engine` must keep answering "absent". A test module it imports
+    (`from tests.unit_tests... import`) is read the same way, not imported: it may import TE's
+    names itself (test_dynamic_sink_attention_e2e imports test_dynamic_engine), and then imports
+    under the shim with the test module."""
+    seen = _seen if _seen is not None else set()
+    if path in seen:
+        return
+    seen.add(path)
     with open(path) as f:
         tree = ast.parse(f.read(), path)
     for node in tree.body:
@@ -938,8 +961,13 @@ def _preimport_megatron(path: str):
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         for name in names:
-            if name.split(".")[0] in ("megatron", "tests"):
+            top = name.split(".")[0]
+            if top == "megatron":
                 importlib.import_module(name)
+            elif top == "tests" and name not in sys.modules:
+                spec = importlib.util.find_spec(name)
+                if spec is not None and spec.origin and spec.origin.endswith(".py"):
+                    _preimport_megatron(spec.origin, seen)
     # Megatron caches its answer (0.17+; on 0.15-0.16 the te_version patch does): ask before the
     # shim exists, so the test module's `is_te_min_version(...)` says "no TE".
     from megatron.core.utils import get_te_version

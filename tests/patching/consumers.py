@@ -1030,6 +1030,40 @@ def _():
             "decode": _mixer_decode(mixer)}
 
 
+@check("hybrid_mla_down_proj_fusion")
+def _():
+    """core 0.19's --mla-down-proj-fusion: HybridStack swaps its MLA layers to FusedMLASelfAttention
+    with the module's TELayerNormColumnParallelLinear as the fused input norm + q/kv down projection.
+    Without TE that name was Megatron's stand-in ("Unsupported linear_qkv_down_proj" at model build)."""
+    from megatron.core.models.hybrid import hybrid_block
+
+    if not hasattr(hybrid_block.HybridStack, "_fuse_mla_down_proj"):
+        return None   # core < 0.19
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.transformer.multi_latent_attention import FusedMLASelfAttention
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    torch.manual_seed(7)
+    config = MLATransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                                  hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm",
+                                  q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8,
+                                  v_head_dim=16, mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2,
+                                  mla_down_proj_fusion=True)
+    model = HybridModel(config=config, hybrid_stack_spec=hybrid_stack_spec, vocab_size=64,
+                        max_sequence_length=16, hybrid_layer_pattern="M+-")
+    attn = next(layer.self_attention for layer in model.decoder.layers
+                if isinstance(getattr(layer, "self_attention", None), FusedMLASelfAttention))
+    ids = torch.randint(0, 64, (2, 16))
+    loss = model(ids, torch.arange(16)[None].expand(2, -1), None, labels=ids).mean()
+    loss.backward()
+    down = attn.linear_qkv_down_proj
+    return {"down_proj": type(down).__name__, "loss_finite": bool(torch.isfinite(loss)),
+            "down_grads": all(p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+                              for p in down.parameters()),
+            "keys": [k for k in model.state_dict() if "linear_qkv_down_proj" in k]}
+
+
 @check("context_parallel")
 def _():
     """get_thd_batch_on_this_cp_rank's CP split (TE's thd_get_partitioned_indices) without TE."""
