@@ -203,7 +203,37 @@ def cmd_report(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown_table(result))
     return 0
+
+
+def markdown_table(result: dict) -> str:
+    """One row per directory, one column per tag and backend: passed / failed / skipped / errors
+    (+ stopped, chunks not run, where any)."""
+    combos = sorted({(r["tag"], r["backend"]) for r in result["rows"]}, key=lambda c: (c[0], c[1]), reverse=True)
+    cells, totals = collections.defaultdict(dict), collections.defaultdict(collections.Counter)
+    for r in result["rows"]:
+        cells[r["dir"]][(r["tag"], r["backend"])] = r
+        totals[(r["tag"], r["backend"])].update({k: v for k, v in r.items() if isinstance(v, int)})
+
+    def cell(r):
+        if not r or not (r["chunks run"] or r["chunks not run"]):
+            return "—"
+        text = f"{r['passed']} / {r['failed']} / {r['skipped']} / {r['error']}"
+        if r.get("stopped"):
+            text += f" ({r['stopped']} stopped)"
+        if r.get("chunks not run"):
+            text += f" ({r['chunks not run']} chunks not run)"
+        return text
+
+    lines = ["| directory | " + " | ".join(f"{t} {b}" for t, b in combos) + " |",
+             "|---" * (len(combos) + 1) + "|"]
+    for d in sorted(cells):
+        lines.append(f"| `{d}` | " + " | ".join(cell(cells[d].get(c)) for c in combos) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{cell(totals[c])}**" for c in combos) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
@@ -231,6 +261,7 @@ def main(argv=None) -> int:
     q.add_argument("--files-per-run", type=int, default=6)
     q.add_argument("--json")
     q.add_argument("--done-list", help="write the ids of the complete chunks here")
+    q.add_argument("--markdown", help="write the per-directory table (one column per tag and backend) here")
     args = p.parse_args(argv)
     return cmd_run(args) if args.what == "run" else cmd_report(args)
 
