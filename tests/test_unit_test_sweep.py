@@ -61,9 +61,13 @@ def test_report_merges_sweeps_counts_and_resumes(sweep, tmp_path, capsys):
     write_chunk(b, models0, {"tests/unit_tests/models/test_m1.py::x": {"outcome": "passed"},
                              "tests/unit_tests/models/test_m2.py::y": {"outcome": "error", "message": "E  bad"}},
                 True, started=3)
-    done, js = tmp_path / "done.txt", tmp_path / "sweep.json"
+    done, js, md = tmp_path / "done.txt", tmp_path / "sweep.json", tmp_path / "sweep.md"
     assert sweep.main(["report", str(a), str(b), "--checkout", f"t={lm}", "--backend", "cpu",
-                       "--files-per-run", "2", "--done-list", str(done), "--json", str(js)]) == 0
+                       "--files-per-run", "2", "--done-list", str(done), "--json", str(js),
+                       "--markdown", str(md)]) == 0
+    table = md.read_text().splitlines()
+    assert table[0] == "| directory | t cpu |" and "| `models` | 1 / 0 / 0 / 1 (1 chunks not run) |" in table, table
+    assert table[-1] == "| **total** | **2 / 0 / 2 / 1 (1 chunks not run)** |", table
     rows = {r["dir"]: r for r in json.loads(js.read_text())["rows"]}
     assert rows[sweep.TOP]["passed"] == 1 and rows[sweep.TOP]["skipped"] == 2
     assert rows["models"]["passed"] == 1 and rows["models"]["error"] == 1 and rows["models"]["failed"] == 0
