@@ -1035,8 +1035,10 @@ def _():
     """core 0.19's --mla-down-proj-fusion: HybridStack swaps its MLA layers to FusedMLASelfAttention
     with the module's TELayerNormColumnParallelLinear as the fused input norm + q/kv down projection.
     Without TE that name was Megatron's stand-in ("Unsupported linear_qkv_down_proj" at model build)."""
-    from megatron.core.models.hybrid import hybrid_block
-
+    try:
+        from megatron.core.models.hybrid import hybrid_block
+    except ImportError:
+        return None   # core < 0.18: no hybrid package
     if not hasattr(hybrid_block.HybridStack, "_fuse_mla_down_proj"):
         return None   # core < 0.19
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec

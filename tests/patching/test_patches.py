@@ -380,14 +380,14 @@ def test_hybrid_mla_down_proj_fusion_builds_on_the_providers_norm_linear():
     """core 0.19's --mla-down-proj-fusion in a hybrid (Mamba + MLA) model: the fused input norm +
     q/kv down projection is the provider's norm + column-parallel linear with TE's parameter names,
     and it trains (forward, backward, finite non-zero gradients)."""
-    res = consumer("hybrid_mla_down_proj_fusion")
     from packaging.version import Version
 
     from megatron_adapt.versions import megatron_core_version
 
     if megatron_core_version() < Version("0.19.0"):
-        assert res is None, res
+        assert consumers()["hybrid_mla_down_proj_fusion"] is None   # no fusion flag before core 0.19
         return
+    res = consumer("hybrid_mla_down_proj_fusion")
     assert res["down_proj"] == "AdaptLayerNormColumnParallelLinear", res
     assert res["loss_finite"] and res["down_grads"], res
     assert {"decoder.layers.1.self_attention.linear_qkv_down_proj.weight",
