@@ -4,13 +4,17 @@ backends at once, on every GPU and CPU of the machine, and report it per directo
     python scripts/megatron_unit_tests_sweep.py run --checkout core_v0.19.0=/path/mlm-0.19.0 \
         --checkout core_v0.16.1=/path/mlm-0.16.1 --backend cuda cpu --out /tmp/sweep \
         [--deadline 3000] [--done done.txt] [--cpu-runs 8 --threads 3] [--runs-per-gpu 2]
+    python scripts/megatron_unit_tests_sweep.py run ... --backend cuda:2 --only-files files.txt
     python scripts/megatron_unit_tests_sweep.py report --out /tmp/sweep [/more/sweep/dirs] \
         --checkout ... [--json sweep.json]
 
 `run` splits each tag's tree into chunks (the files of one directory, `--files-per-run` at a time)
 and runs each chunk through scripts/megatron_unit_tests.py: the cuda backend with 1 process on one
 GPU (`CUDA_VISIBLE_DEVICES`), the cpu backend with 2 processes over gloo and no GPU visible, the
-largest chunks first. Lanes: `--runs-per-gpu` per GPU, `--cpu-runs` cpu lanes. A chunk that cannot
+largest chunks first. Lanes: `--runs-per-gpu` per GPU, `--cpu-runs` cpu lanes. `cuda:2` runs the
+cuda backend with 2 processes, one a GPU, each lane on its own pair of GPUs (reported as
+`cuda:2`): the tests that the one-GPU runs skip as `[ranks]`. `--only-files` limits a sweep to the
+files listed (one path under tests/unit_tests a line, e.g. the files with such skips). A chunk that cannot
 finish before `--deadline` is not started; one that is running then is stopped, and its counts are
 those of the tests that ran. Each chunk leaves OUT/<tag>/<backend>/<chunk>/chunk.json; a chunk
 listed in a `--done` file (one chunk id a line, as `report --done-list` writes) is not run again,
@@ -43,13 +47,25 @@ SLOW = {("cpu", "dist_checkpointing"): 4, ("cpu", "inference"): 2, ("cpu", "ssm"
         ("cuda", "ssm"): 3}
 
 
-def chunks_of(tag: str, lm: str, backend: str, per_run: int) -> list[dict]:
+def backend_ranks(spec: str) -> tuple[str, int]:
+    """'cuda' -> ('cuda', 1); 'cuda:2' -> ('cuda', 2): the backend and its processes a run."""
+    backend, _, n = spec.partition(":")
+    if backend not in NPROC or (n and not n.isdigit()):
+        raise argparse.ArgumentTypeError(f"backend {spec!r}: expected one of {sorted(NPROC)}, optionally :N processes")
+    return backend, int(n) if n else NPROC[backend]
+
+
+def chunks_of(tag: str, lm: str, backend: str, per_run: int, only: set | None = None) -> list[dict]:
+    """`backend` is a --backend spec ('cpu', 'cuda', 'cuda:2'); `only`: the files to keep (paths
+    under tests/unit_tests), None for all."""
     by_dir = collections.defaultdict(list)
     root = os.path.join(lm, UT)
     for dirpath, _, names in os.walk(root):
         for n in names:
             if n.startswith("test_") and n.endswith(".py"):
                 rel = os.path.relpath(os.path.join(dirpath, n), root)
+                if only is not None and rel not in only:
+                    continue
                 by_dir[rel.split(os.sep)[0] if os.sep in rel else TOP].append(rel)
     out = []
     for d, files in sorted(by_dir.items()):
@@ -60,7 +76,7 @@ def chunks_of(tag: str, lm: str, backend: str, per_run: int) -> list[dict]:
             name = ("top" if d == TOP else d) + f"-{i // per_run:02d}"
             out.append({"id": f"{tag}/{backend}/{name}", "tag": tag, "lm": lm, "backend": backend,
                         "dir": d, "name": name, "files": [f"{UT}/{f}" for f in part],
-                        "weight": size * SLOW.get((backend, d), 1)})
+                        "weight": size * SLOW.get((backend_ranks(backend)[0], d), 1)})
     return out
 
 
@@ -68,8 +84,9 @@ def run_chunk(c: dict, args, env_extra: dict, deadline: float) -> None:
     out = os.path.join(args.out, c["tag"], c["backend"], c["name"])
     os.makedirs(out, exist_ok=True)
     left = int(deadline - time.time()) - 10
-    cmd = [sys.executable, os.path.join(HERE, "megatron_unit_tests.py"), "--backend", c["backend"],
-           "--nproc", str(NPROC[c["backend"]]), "--set", "none", "--out", out,
+    backend, nproc = backend_ranks(c["backend"])
+    cmd = [sys.executable, os.path.join(HERE, "megatron_unit_tests.py"), "--backend", backend,
+           "--nproc", str(nproc), "--set", "none", "--out", out,
            "--run-timeout", str(min(left, args.run_timeout)), "--test-timeout", str(args.test_timeout),
            "--files", *c["files"]]
     env = dict(os.environ, MEGATRON_LM_PATH=c["lm"], OMP_NUM_THREADS=str(args.threads), **env_extra)
@@ -77,7 +94,7 @@ def run_chunk(c: dict, args, env_extra: dict, deadline: float) -> None:
     with open(os.path.join(out, "sweep.log"), "w") as log:
         rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     ranks = []
-    for r in range(NPROC[c["backend"]]):
+    for r in range(nproc):
         p = os.path.join(out, "files", f"rank{r}.json")
         ranks.append(json.load(open(p)).get("finished", False) if os.path.exists(p) else False)
     rec = dict(c, rc=rc, seconds=round(time.time() - t0, 1), started=t0, complete=all(ranks),
@@ -93,11 +110,12 @@ def cmd_run(args) -> int:
     done = set()
     for path in args.done or []:
         done |= {line.strip() for line in open(path) if line.strip()}
+    only = read_only_files(args.only_files)
     todo = {b: [] for b in args.backend}
     for spec in args.checkout:
         tag, lm = spec.split("=", 1)
         for b in args.backend:
-            todo[b] += [c for c in chunks_of(tag, os.path.abspath(lm), b, args.files_per_run)
+            todo[b] += [c for c in chunks_of(tag, os.path.abspath(lm), b, args.files_per_run, only)
                         if c["id"] not in done and (not args.dirs or c["dir"] in args.dirs)]
     queues = {}
     for b, cs in todo.items():
@@ -107,13 +125,17 @@ def cmd_run(args) -> int:
         print(f"{b}: {len(cs)} chunks to run ({len(done)} listed done)", flush=True)
 
     lanes = []
-    if "cuda" in queues:
+    for b in queues:
+        backend, nproc = backend_ranks(b)
+        if backend == "cpu":
+            lanes += [(b, {"CUDA_VISIBLE_DEVICES": ""}) for _ in range(args.cpu_runs)]
+            continue
         import torch
         gpus = args.gpus if args.gpus is not None else torch.cuda.device_count()
-        lanes += [("cuda", {"CUDA_VISIBLE_DEVICES": str(g)}) for g in range(gpus)
-                  for _ in range(args.runs_per_gpu)]
-    if "cpu" in queues:
-        lanes += [("cpu", {"CUDA_VISIBLE_DEVICES": ""}) for _ in range(args.cpu_runs)]
+        groups = gpu_groups(gpus, nproc)
+        if not groups:
+            print(f"{b}: needs {nproc} GPUs a run, this machine has {gpus}; not run", flush=True)
+        lanes += [(b, {"CUDA_VISIBLE_DEVICES": g}) for g in groups for _ in range(args.runs_per_gpu)]
 
     def lane(backend, env_extra):
         while time.time() < deadline - args.min_start:
@@ -134,6 +156,17 @@ def cmd_run(args) -> int:
     return 0
 
 
+def gpu_groups(gpus: int, nproc: int) -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each run: disjoint sets of `nproc` GPUs ('0,1', '2,3'; a spare one idles)."""
+    return [",".join(map(str, range(g, g + nproc))) for g in range(0, gpus - nproc + 1, nproc)]
+
+
+def read_only_files(path: str | None) -> set | None:
+    if not path:
+        return None
+    return {line.strip().removeprefix(UT + "/") for line in open(path) if line.strip() and not line.startswith("#")}
+
+
 def _category(reason: str) -> str:
     m = re.match(r"\[(\w+)\]", reason or "")
     return m.group(1) if m else "megatron"  # Megatron's own skip / skipif, with its reason
@@ -151,10 +184,11 @@ def cmd_report(args) -> int:
             if old is None or (rec["complete"], rec["started"]) > (old["complete"], old["started"]):
                 best[rec["id"]] = rec
     every = {}
+    only = read_only_files(args.only_files)
     for spec in args.checkout:
         tag, lm = spec.split("=", 1)
         for b in args.backend:
-            for c in chunks_of(tag, os.path.abspath(lm), b, args.files_per_run):
+            for c in chunks_of(tag, os.path.abspath(lm), b, args.files_per_run, only):
                 every[c["id"]] = c
     table = collections.defaultdict(lambda: collections.Counter())
     skips = collections.defaultdict(collections.Counter)
@@ -236,12 +270,18 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _backend_spec(spec: str) -> str:
+    backend, nproc = backend_ranks(spec)
+    return backend if nproc == NPROC[backend] else f"{backend}:{nproc}"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     r = sub.add_parser("run")
     r.add_argument("--checkout", action="append", required=True, help="TAG=PATH of a Megatron-LM checkout")
-    r.add_argument("--backend", nargs="+", default=["cuda", "cpu"], choices=("cpu", "cuda", "npu"))
+    r.add_argument("--backend", nargs="+", default=["cuda", "cpu"], type=_backend_spec,
+                   help="cpu, cuda, npu; BACKEND:N for N processes a run (cuda:2: one GPU each)")
     r.add_argument("--out", required=True)
     r.add_argument("--deadline", type=float, default=3600, help="seconds from now")
     r.add_argument("--min-start", type=float, default=60, help="start no chunk with less time left")
@@ -254,11 +294,13 @@ def main(argv=None) -> int:
     r.add_argument("--threads", type=int, default=2, help="OMP threads a process")
     r.add_argument("--done", nargs="*", help="files of chunk ids not to run again")
     r.add_argument("--dirs", nargs="*", help="only these tests/unit_tests directories ('(top-level files)')")
+    r.add_argument("--only-files", help="only the files listed here (paths under tests/unit_tests, one a line)")
     q = sub.add_parser("report")
     q.add_argument("out_dirs", nargs="+")
     q.add_argument("--checkout", action="append", required=True)
-    q.add_argument("--backend", nargs="+", default=["cuda", "cpu"], choices=("cpu", "cuda", "npu"))
+    q.add_argument("--backend", nargs="+", default=["cuda", "cpu"], type=_backend_spec)
     q.add_argument("--files-per-run", type=int, default=6)
+    q.add_argument("--only-files", help="the file list the sweep ran with (for its chunks not run)")
     q.add_argument("--json")
     q.add_argument("--done-list", help="write the ids of the complete chunks here")
     q.add_argument("--markdown", help="write the per-directory table (one column per tag and backend) here")

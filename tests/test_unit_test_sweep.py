@@ -75,3 +75,23 @@ def test_report_merges_sweeps_counts_and_resumes(sweep, tmp_path, capsys):
     assert json.loads(js.read_text())["skips"]["t|cpu"] == {"ranks": 1, "megatron": 1}
     assert done.read_text().split() == ["t/cpu/models-00", "t/cpu/top-00"]
     assert "ERROR [t/cpu/models-00] tests/unit_tests/models/test_m2.py::y: E  bad" in capsys.readouterr().out
+
+
+def test_two_rank_cuda_chunks_take_their_own_ids_gpu_pairs_and_a_file_list(sweep, tmp_path):
+    lm = tree(tmp_path)
+    assert sweep.backend_ranks("cuda") == ("cuda", 1) and sweep.backend_ranks("cpu") == ("cpu", 2)
+    assert sweep.backend_ranks("cuda:2") == ("cuda", 2)
+    for bad in ("rocm", "cuda:x"):
+        with pytest.raises(Exception, match="expected one of"):
+            sweep.backend_ranks(bad)
+    assert sweep._backend_spec("cuda:1") == "cuda" and sweep._backend_spec("cpu:2") == "cpu"
+    assert sweep.gpu_groups(2, 2) == ["0,1"] and sweep.gpu_groups(5, 2) == ["0,1", "2,3"]
+    assert sweep.gpu_groups(1, 2) == [] and sweep.gpu_groups(3, 1) == ["0", "1", "2"]
+    listed = tmp_path / "files.txt"
+    listed.write_text("# the files with [ranks] skips\ntests/unit_tests/models/test_m2.py\ntest_b.py\n")
+    only = sweep.read_only_files(str(listed))
+    assert only == {"models/test_m2.py", "test_b.py"}
+    chunks = sweep.chunks_of("t", lm, "cuda:2", per_run=6, only=only)
+    assert [(c["id"], c["files"]) for c in chunks] == [
+        ("t/cuda:2/top-00", ["tests/unit_tests/test_b.py"]),
+        ("t/cuda:2/models-00", ["tests/unit_tests/models/test_m2.py"])]
