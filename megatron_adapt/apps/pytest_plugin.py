@@ -474,10 +474,18 @@ SKIPS: list[Skip] = [
            "imports transformer_engine and TE's FusedAdam at module level and fully shards TE modules "
            "(te.pytorch.Linear / TransformerLayer, TE's fp8 recipes)", versions=v)
       for d, v in (("mfsdp_v1", ">=0.17.0,<0.20.0"), ("megatron_fsdp", ">=0.15.0,<0.17.0"))),
-    Skip(UT + "ssm/test_gated_delta_net.py::TestGatedDeltaNet::test_selective_recompute_norm_out[[]*",
-         "package", "fla-core 0.6.0 refuses its gated chunk_bwd_dqkwg kernel on Hopper with Triton 3.4 - 3.7.0 "
-         "(\"produces incorrect results\", fla issue #640): it needs Triton >= 3.7.1 or tilelang; the H100 / H200 "
-         "machines have Triton 3.6 and no tilelang", backends=("cuda",)),
+    *(Skip(UT + "ssm/test_gated_delta_net.py::" + t, "package",
+           "fla-core 0.6.0 refuses its gated chunk_bwd_dqkwg kernel on Hopper with Triton 3.4 - 3.7.0 "
+           "(\"produces incorrect results\", fla issue #640): it needs Triton >= 3.7.1 or tilelang; the H100 / H200 "
+           "machines have Triton 3.6 and no tilelang", backends=("cuda",))
+      for t in ("TestGatedDeltaNet::test_selective_recompute_norm_out[[]*",
+                "test_parallel_gated_delta_net_correctness[[]*")),
+    *(Skip(UT + f"ssm/test_gated_delta_net.py::TestGatedDeltaNet::{t}[[]*-2]", "rounding",
+           "compares the packed (THD) and padded (SBHD) forwards at 3e-4 in bf16; with context parallelism 2 "
+           "the two layouts reach fla's chunked kernels split differently and round apart by one bf16 step "
+           "(max |diff| 0.0078125 = 2^-7 on outputs of order 1, 15-17 % of the elements; 2 x H200, core_v0.19.0); "
+           "at CP 1 they pass", backends=("cuda",))
+      for t in ("test_gpu_forward_thd_correctness", "test_gpu_forward_thd_padding_correctness")),
     *(Skip(UT + f"distributed/mfsdp_v2/{t}", "torch",
            "Megatron's profiler helper (mfsdp_v2/profiler_utils.py: collect_linked_kernels) reads "
            "FunctionEvent.linked_correlation_id, which this torch does not have (AttributeError; "
