@@ -47,6 +47,7 @@ import re
 import signal
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -74,7 +75,7 @@ class Skip:
     versions: str = ">=0.15.0,<0.20.0"
     needs_world: int = 0  # "ranks" entries: skipped only while the world size is smaller
     needs_host_gb: float = 0  # "memory" entries: skipped only on a host with less memory (GB)
-    when: object = None       # a callable: skipped only while it returns True (e.g. a torch feature check)
+    when: Callable[[], bool] | None = None  # a callable: skipped only while it returns True (e.g. a torch feature check)
 
     def __post_init__(self):
         if self.category not in CATEGORIES:
