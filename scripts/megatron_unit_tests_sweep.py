@@ -125,13 +125,15 @@ def cmd_run(args) -> int:
         print(f"{b}: {len(cs)} chunks to run ({len(done)} listed done)", flush=True)
 
     lanes = []
+    gpus = args.gpus
     for b in queues:
         backend, nproc = backend_ranks(b)
         if backend == "cpu":
             lanes += [(b, {"CUDA_VISIBLE_DEVICES": ""}) for _ in range(args.cpu_runs)]
             continue
-        import torch
-        gpus = args.gpus if args.gpus is not None else torch.cuda.device_count()
+        if gpus is None:
+            import torch
+            gpus = torch.cuda.device_count()
         groups = gpu_groups(gpus, nproc)
         if not groups:
             print(f"{b}: needs {nproc} GPUs a run, this machine has {gpus}; not run", flush=True)

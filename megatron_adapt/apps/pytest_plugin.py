@@ -138,9 +138,9 @@ def _lift_served_skipifs(item) -> list[str]:
 UT = "tests/unit_tests/"
 NOT_GPU = ("cpu", "npu")
 CUDA_IS_CPU = "on the cpu backend 'cuda' tensors are CPU tensors"
-# DeepSeek sparse attention's tests: core 0.19's path, core 0.16's
-DSA_TESTS = (UT + "transformer/experimental_attention_variant/test_attention_variant_dsa.py::",
-             UT + "transformer/test_attention_variant_dsa.py::")
+# DeepSeek sparse attention's tests: transformer/experimental_attention_variant/ (core 0.19) or
+# transformer/ (core 0.16); fnmatch's * spans the directory
+DSA_TESTS = UT + "transformer/*test_attention_variant_dsa.py::"
 # reasons several entries share
 TRITON_GPU_ONLY = "Triton launches them on a GPU only (on cpu: \"0 active drivers\")"
 FP8_REFUSED = ("megatron-adapt runs fp8 GEMMs on sm89+ GPUs only and refuses fp8 elsewhere at start "
@@ -363,10 +363,10 @@ SKIPS: list[Skip] = [
          "(mamba_mixer.py; NameError without the package); causal-conv1d is a CUDA source build (no wheel "
          "on the registries). megatron-adapt serves the decode-step kernels on cpu / npu only",
          backends=("cuda",)),
-    *(Skip(dsa + "TestDSAttentionTensorParallel::test_dsa_forward_consistency", "te",
-           "clones every value of the indexer's state_dict with .detach(); TE's modules keep an "
-           "_extra_state tensor there, Megatron's own linears (and megatron-adapt's TE-named ones built on "
-           "them) keep None (get_extra_state: \"Keep compatibility with TE state dict\")") for dsa in DSA_TESTS),
+    Skip(DSA_TESTS + "TestDSAttentionTensorParallel::test_dsa_forward_consistency", "te",
+         "clones every value of the indexer's state_dict with .detach(); TE's modules keep an "
+         "_extra_state tensor there, Megatron's own linears (and megatron-adapt's TE-named ones built on "
+         "them) keep None (get_extra_state: \"Keep compatibility with TE state dict\")"),
     Skip(UT + "test_fp8_utils.py::TestFP8Padding::*", "te",
          "Megatron defines what it tests (prepare_model_for_fp8_inference's padding wrapper and its "
          "_fp8_inference_wrapped_modules set) only `if HAVE_TE`; the test mocks TE's Fp8Padding / "
@@ -529,9 +529,9 @@ TE_CLASS_TESTS = (UT + "models/test_hybrid_model.py::TestMLAQKNormResolution::*"
                   UT + "models/test_hybrid_model.py::TestMLADownProjFusion::*",
                   UT + "models/test_hybrid_model.py::TestDSAQKNormResolution::*",
                   # build DSA's indexer from TELinear / TENorm imported inside the test
-                  *(dsa + c + "::*" for dsa in DSA_TESTS for c in ("TestDSAIndexer", "TestDSAttention",
-                                                                   "TestIndexerTensorParallel", "TestDSAttentionTensorParallel")),
-                  *(dsa + "test_lighting_indexer_indices_preserves_single_head_weight_axis*" for dsa in DSA_TESTS))
+                  *(DSA_TESTS + c + "::*" for c in ("TestDSAIndexer", "TestDSAttention", "TestIndexerTensorParallel",
+                                                    "TestDSAttentionTensorParallel")),
+                  DSA_TESTS + "test_lighting_indexer_indices_preserves_single_head_weight_axis*")
 # Test modules that import those names at module level (try: ... except ImportError: None) and build
 # specs from them: the same binding while the module imports.
 TE_CLASS_MODULES = {UT + "models/mimo/test_mimo_1f1b_schedule.py",
