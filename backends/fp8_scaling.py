@@ -91,6 +91,17 @@ class Fp8Scaling:
         self.amax_history = {"fwd": torch.zeros(n, 2, device=device), "bwd": torch.zeros(n, 1, device=device)}
         self.scale = {"fwd": torch.ones(2, device=device), "bwd": torch.ones(1, device=device)}
         self.updates = {"fwd": 0, "bwd": 0}
+        self.recomputing = False
+
+    def recomputed(self, fwd_scale: torch.Tensor) -> "Fp8Scaling":
+        """This state as a recomputed forward sees it (TE's checkpoint rule): forward scales
+        `fwd_scale` (what the original forward cast with), its amaxes recorded into a scratch row,
+        no forward update; the backward's history, scales and counters are this state's own."""
+        view = Fp8Scaling.__new__(Fp8Scaling)
+        view.recipe, view.updates, view.recomputing = self.recipe, self.updates, True
+        view.amax_history = {"fwd": torch.zeros_like(self.amax_history["fwd"]), "bwd": self.amax_history["bwd"]}
+        view.scale = {"fwd": fwd_scale, "bwd": self.scale["bwd"]}
+        return view
 
     def to(self, device) -> "Fp8Scaling":
         """Move the state's tensors (a module's `.cuda()` does not move them: they are no buffers)."""
@@ -108,7 +119,10 @@ class Fp8Scaling:
         torch.maximum(row, amax.float().reshape(1), out=row)
 
     def update(self, direction: str) -> None:
-        """Delayed scaling, after a step: amax from the history, roll, new scales (TE's order)."""
+        """Delayed scaling, after a step: amax from the history, roll, new scales (TE's order).
+        A recomputed forward makes none (recomputed())."""
+        if direction == "fwd" and self.recomputing:
+            return
         hist, scale, r = self.amax_history[direction], self.scale[direction], self.recipe
         amax = hist.max(dim=0).values if r.amax_compute_algo == "max" else hist[0].clone()
         if hist.shape[0] > 1:

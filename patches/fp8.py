@@ -11,8 +11,7 @@ in bf16 and say nothing. This area makes that impossible:
   `--fp4-format` is refused on every backend; so are the fp8 features no linear here serves
   (`--fp8-recipe mxfp8|custom`, blockwise off Hopper, `--fp8-param-gather`, fp8 attention, MoE experts
   other than the grouped ones (`--moe-grouped-gemm`),
-  `--transformer-impl local`, `--fp8-interval N` under CUDA graphs and
-  `--recompute-granularity full` (Megatron recomputes fp8 layers with TE's checkpoint).
+  `--transformer-impl local` and `--fp8-interval N` under CUDA graphs.
 * The context. `megatron.core.fp8_utils:get_fp8_context` is replaced: Megatron's own callers
   (the transformer block per layer, or once around the block for `delayed`) keep deciding where
   fp8 applies, including `--first-last-layers-bf16` through Megatron's `is_first_last_bf16_layer`;
@@ -32,6 +31,12 @@ in bf16 and say nothing. This area makes that impossible:
   for three things there, served in `megatron.core.transformer.moe.experts` and
   `transformer_config` (skipped with TE installed): HAVE_TE, Fp8Padding / Fp8Unpadding (each
   expert's rows padded to 16), and TE >= 1.7 / 1.11 in the config's MoE fp8 version checks.
+* Recompute. Megatron recomputes fp8 code (`--recompute-granularity full`, `--recompute-modules
+  mlp | moe | shared_experts`, MTP) through TE's `te_checkpoint`, which is served (te_checkpoint
+  below): Megatron's own checkpoint function, with the recompute inside the fp8 context the forward
+  ran in, and, for delayed scaling, casting with the scales the forward used, recording no amax and
+  making no forward update (TE's rule), so the scaling state advances once per step as without
+  recompute.
 * CUDA graphs. Megatron's local CUDA graphs (`--cuda-graph-impl local`) ask Transformer Engine's
   FP8GlobalStateManager, save_fp8_tensors and restore_fp8_tensors about fp8; without TE those names
   are absent. They are served in `megatron.core.transformer.cuda_graphs` (created, removed by
@@ -107,10 +112,6 @@ def fp8_refusal(backend, settings: dict) -> str | None:
                 f"--cuda-graph-impl local: a captured layer replays the same scale update every step; "
                 f"recomputing the scale only every N-th step is a host-side count a CUDA graph cannot "
                 f"keep. Drop --fp8-interval (deprecated in Megatron) or the graphs.")
-    if settings.get("recompute_granularity") == "full":
-        return (f"{flag} --recompute-granularity full: Megatron recomputes fp8 layers through "
-                f"Transformer Engine's checkpoint (te_checkpoint), absent here. Use "
-                f"--recompute-granularity selective, or no recomputation.")
     if settings.get("transformer_impl") == "local":
         return (f"{flag} --transformer-impl local: megatron-adapt serves fp8 in the linears of the "
                 f"transformer_engine layer spec (Megatron's default); the local spec's linears would "
@@ -159,7 +160,6 @@ def _config_check(backend, c) -> str | None:
                 "use_transformer_engine_op_fuser": getattr(c, "use_transformer_engine_op_fuser", False),
                 "cuda_graph_impl": getattr(c, "cuda_graph_impl", None),
                 "fp8_interval": getattr(c, "fp8_interval", 1),
-                "recompute_granularity": getattr(c, "recompute_granularity", None),
                 "enable_cuda_graph": getattr(c, "enable_cuda_graph", False)}
     return fp8_refusal(backend, settings)
 
@@ -342,7 +342,7 @@ def fp8_variant(base, backend):
             from megatron.core.tensor_parallel.mappings import (
                 copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region)
 
-            scaling = self.fp8_scaling
+            scaling = _recompute_view(self, self.fp8_scaling)
             if scaling.recipe != recipe:
                 raise ValueError(f"fp8 context recipe {recipe} differs from the one this linear was "
                                  f"built with ({scaling.recipe})")
@@ -396,6 +396,57 @@ def fp8_variant(base, backend):
     Fp8Linear.__name__ = Fp8Linear.__qualname__ = f"Fp8{base.__name__}"
     _variants[key] = Fp8Linear
     return Fp8Linear
+
+
+# ---------------------------------------------------------------- recompute: TE's te_checkpoint
+_saving: list = []      # per te_checkpoint forward running: {linear: [forward scales, in call order]}
+_replaying: list = []   # per recompute running: the same dict, consumed
+
+
+def _recompute_view(linear, scaling):
+    """The scaling state a delayed-scaling linear casts with: its own, except inside te_checkpoint.
+    There the forward saves the scales it casts with (the update after it changes them), and the
+    recompute casts with those saved scales into a scratch amax row, with no forward update (TE's
+    checkpoint does the same), so recompute leaves the forward state as a run without it would."""
+    if scaling.recipe.recipe != "delayed":
+        return scaling
+    if _saving:
+        _saving[-1].setdefault(linear, []).append(scaling.scale["fwd"].clone())
+    elif _replaying:
+        return scaling.recomputed(_replaying[-1][linear].pop(0))
+    return scaling
+
+
+@contextlib.contextmanager
+def _entered(stack, item):
+    stack.append(item)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def te_checkpoint(forward_func, distribute_saved_activations, get_rng_state_tracker, tp_group,
+                  *args, **kwargs):
+    """TE's te_checkpoint for megatron-adapt's fp8 linears: Megatron's own activation checkpoint
+    (tensor_parallel.checkpoint: its RNG-state save and restore through Megatron's CUDA RNG tracker,
+    which every caller passes as get_rng_state_tracker; distributed saved activations over the
+    global tensor-parallel group), with the recompute inside the fp8 context the forward ran in
+    (backward runs outside the layer's context) and the delayed-scaling rule of _recompute_view.
+    kwargs go to forward_func on both runs, as with TE."""
+    import functools
+
+    from megatron.core import tensor_parallel
+
+    recipe, scales, runs = active_recipe(), {}, []
+    report.ran("te_checkpoint", "Megatron's checkpoint, recompute in the forward's fp8 context")
+
+    def run(*inputs):
+        phase = (_saving if not runs else _replaying)
+        runs.append(1)
+        with fp8_autocast(recipe), _entered(phase, scales):
+            return functools.partial(forward_func, **kwargs)(*inputs)
+    return tensor_parallel.checkpoint(run, distribute_saved_activations, *args)
 
 
 # ---------------------------------------------------------------- fp8 in Megatron's local CUDA graphs
@@ -524,6 +575,7 @@ def _experts_name(name, obj):
 serve_te_version("fp8", "megatron.core.transformer.transformer_config", "1.7.0.dev0", "1.11.0")
 
 
+_recompute = start_checks.served_without_te("te_checkpoint", te_checkpoint, "Megatron's recompute of fp8 code")
 GRAPHS = "megatron.core.transformer.cuda_graphs"
 EXPERTS = "megatron.core.transformer.moe.experts"
 SPECS = [
@@ -548,4 +600,13 @@ SPECS = [
     PatchSpec(f"{EXPERTS}:Fp8Padding", area="fp8", build=_experts_name("Fp8Padding", Fp8Padding),
               create=True, check_signature=False),
     PatchSpec(f"{EXPERTS}:Fp8Unpadding", area="fp8", build=_experts_name("Fp8Unpadding", Fp8Unpadding),
-              create=True, check_signature=False)]
+              create=True, check_signature=False),
+    # recompute of fp8 code: Megatron calls TE's te_checkpoint, imported from the extension module
+    # at the call (transformer layer's MLP, MTP) or bound at import where TE imports (None without)
+    PatchSpec("megatron.core.extensions.transformer_engine:te_checkpoint", area="fp8", build=_recompute),
+    PatchSpec("megatron.core.transformer.moe.moe_layer:te_checkpoint", area="fp8", build=_recompute,
+              create=True, check_signature=False),
+    PatchSpec("megatron.core.transformer.transformer_block:te_checkpoint", area="fp8", build=_recompute,
+              versions=">=0.15.0,<0.18.0", check_signature=False),   # full recompute: block's, then recompute.py's
+    PatchSpec("megatron.core.recompute:te_checkpoint", area="fp8", build=_recompute,
+              versions=">=0.18.0,<0.20.0", check_signature=False)]

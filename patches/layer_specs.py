@@ -26,7 +26,7 @@ state-dict keys of a TE-built one (`linear_qkv.layer_norm_weight`, ...):
   v_channels (multi-latent attention), whose forward patches/attention puts on the backend's fused
   attention op (this is what `--attention-backend auto` gets);
 - TE's duplicated TELinear (MLA's down projections) -> AdaptDuplicatedLinear, also bound as
-  multi_latent_attention's TELinear;
+  multi_latent_attention's TELinear (and by patches/moe as moe_layer's, for the latent projections);
 - norms -> the backend norm (patches/norms' replacement of WrappedTorchNorm), also as CLIP-ViT's
   default ln_pre / ln_post norm.
 With TE installed every spec here is skipped.
@@ -298,6 +298,12 @@ def _build_duplicated_linear():
                 p.tensor_model_parallel = False
             if delayed(config):  # the weight gradient in backward_dw() (patches/delayed_wgrad)
                 self._init_delayed_wgrad()
+            if getattr(config, "fp8", None):   # TE's TELinear would run fp8 GEMMs here
+                from megatron_adapt import report
+                report.fell_back("fp8_linear", "duplicated linear in bf16",
+                                 "TE's TELinear(parallel_mode='duplicated') (MLA's down projections, MoE latent "
+                                 "projections) runs in bf16 here; megatron-adapt's fp8 GEMMs serve the TE "
+                                 "spec's column- and row-parallel linears")
 
         def forward(self, x):
             bias = None if self.skip_bias_add else self.bias

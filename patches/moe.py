@@ -26,6 +26,9 @@
 - the alltoall dispatcher on cpu / npu: `maybe_move_tensor_to_cpu` copies any non-host tensor and
   gives numpy (all_to_all_single refuses tensor split sizes); on cpu, the uneven TP all-gather /
   reduce-scatter (TP + EP + sequence parallelism) run over gloo.
+- `--moe-latent-size` (core 0.16+): MoELayer's latent projections are TE's duplicated TELinear; the
+  layer spec provider's duplicated linear serves them (moe_layer's TELinear, and its HAVE_TE, which
+  there only guards them).
 - `validate_args`' compute-capability check for --moe-grouped-gemm reads (8, 0) while it runs
   on a device reporting less (the check guards the grouped_gemm package's CUTLASS kernels).
 
@@ -44,7 +47,7 @@ import types
 
 import torch
 
-from megatron_adapt import report
+from megatron_adapt import report, start_checks
 from megatron_adapt.spec import WRAP, PatchSpec, SkipPatch
 
 GG = "megatron.core.transformer.moe.grouped_gemm_util"
@@ -402,14 +405,14 @@ def grouped_experts_class(backend):
     column, row = grouped_linear_classes(backend)
 
     class AdaptGroupedExperts:
-        """With config.add_bias_linear or config.fp8: TEGroupedMLP on the backend's grouped linears
-        (TE's module tree, parameter names and checkpoint layout; biases and fp8 served; the
-        legacy GroupedMLP has neither); otherwise Megatron's GroupedMLP
+        """With config.add_bias_linear, config.fp8 or config.moe_latent_size: TEGroupedMLP on the
+        backend's grouped linears (TE's module tree, parameter names and checkpoint layout; biases,
+        fp8 and latent-sized experts served; the legacy GroupedMLP has none); otherwise Megatron's GroupedMLP
         (one [E*in, out] weight per linear, its forward on the backend's grouped_gemm). The spec is
         built before the config exists, so the choice is made here, at construction."""
 
         def __new__(cls, num_local_experts, config, submodules=None, pg_collection=None):
-            if config.add_bias_linear or config.fp8:
+            if config.add_bias_linear or config.fp8 or getattr(config, "moe_latent_size", None):
                 act = getattr(submodules, "activation_func", None)
                 return TEGroupedMLP(num_local_experts, config,
                                     MLPSubmodules(linear_fc1=column, linear_fc2=row, activation_func=act),
@@ -417,7 +420,7 @@ def grouped_experts_class(backend):
             return GroupedMLP(num_local_experts, config, pg_collection=pg_collection)
 
     AdaptGroupedExperts.__megatron_adapt_impl__ = (
-        f"{backend.name}.grouped_gemm (bias: TEGroupedMLP on grouped linears; else GroupedMLP)")
+        f"{backend.name}.grouped_gemm (bias, fp8, latent: TEGroupedMLP on grouped linears; else GroupedMLP)")
     return AdaptGroupedExperts
 
 
@@ -746,7 +749,29 @@ def _wrap(name, build, versions=VERSIONS):
     return PatchSpec(f"{UTILS}:{name}", area="moe", build=build, mode=WRAP, versions=versions)
 
 
+LATENT = ">=0.16.0,<0.20.0"   # --moe-latent-size exists from core 0.16
+MOE_LAYER = "megatron.core.transformer.moe.moe_layer"
+
+
+def build_latent_linear(backend, original):
+    """`--moe-latent-size`: MoELayer builds its two latent projections (hidden -> latent before the
+    dispatcher, latent -> hidden after the combine) from TE's TELinear in duplicated mode, the
+    linear MLA's down projections use: the provider's AdaptDuplicatedLinear (patches/layer_specs)
+    serves both, with TE's parameter names and checkpoint layout."""
+    if start_checks.te_installed():
+        raise SkipPatch("Transformer Engine is installed: its TELinear serves the latent projections")
+    from megatron_adapt.patches.layer_specs import duplicated_linear_class
+
+    return duplicated_linear_class()
+
+
 SPECS = [
+    # MoELayer asserts HAVE_TE before building the latent projections; in moe_layer.py HAVE_TE
+    # guards nothing else (the TE imports at its top have run by then)
+    PatchSpec(f"{MOE_LAYER}:HAVE_TE", area="moe", versions=LATENT, check_signature=False,
+              build=start_checks.served_without_te("HAVE_TE", True, "MoELayer's latent projections")),
+    PatchSpec(f"{MOE_LAYER}:TELinear", area="moe", versions=LATENT, build=build_latent_linear, create=True,
+              check_signature=False),
     PatchSpec(f"{GG}:grouped_gemm", area="moe", versions=LEGACY, build=build_package),
     PatchSpec(f"{GG}:ops", area="moe", versions=LEGACY, build=build_ops),
     PatchSpec(f"{EXPERTS}:GroupedMLP.forward", area="moe", versions=LEGACY, build=build_grouped_mlp_forward),

@@ -12,8 +12,6 @@ Megatron-LM's `set_global_variables` (right after argument validation) and from
   DotProductAttention, which takes no k_channels / v_channels (TypeError at model build). MLA is
   served through the transformer_engine spec. Refused also where a megatron-core user asks the
   local spec builder for MLA (`get_gpt_layer_local_spec(multi_latent_attention=True)`).
-* `--moe-latent-size`: Megatron's MoELayer builds its latent projections from TE's TELinear only
-  (`assert HAVE_TE` at model build, 0.16 - 0.19).
 * `--optimizer-cpu-offload` on cpu and npu: Megatron's HybridDeviceOptimizer picks what to offload
   with `param.is_cuda` and then looks every host-side parameter up in its map of offloaded copies:
   with host parameters (cpu) or NPU parameters (npu) that is a KeyError in the first step. Refused
@@ -81,14 +79,6 @@ def mla_local_refusal(backend, s: dict) -> str | None:
     return None
 
 
-def moe_latent_refusal(backend, s: dict) -> str | None:
-    if s.get("moe_latent_size"):
-        return (f"--moe-latent-size: {where(backend)} cannot run it: Megatron's MoELayer builds the "
-                f"latent projections from Transformer Engine's TELinear only (it asserts HAVE_TE at model "
-                f"build); not served. Train without --moe-latent-size.")
-    return None
-
-
 OPTIMIZER_OFFLOAD_WHY = ("Megatron's HybridDeviceOptimizer offloads the parameters for which param.is_cuda "
                          "holds and then looks every other parameter up among its offloaded copies "
                          "(a KeyError in the first step): on the cpu backend the parameters are host "
@@ -104,13 +94,12 @@ def optimizer_offload_refusal(backend, s: dict) -> str | None:
 
 def _settings_of(config) -> dict:
     names = ("delay_wgrad_compute", "fp8", "fp4", "cuda_graph_impl", "multi_latent_attention", "transformer_impl",
-             "moe_latent_size", "optimizer_cpu_offload")
+             "optimizer_cpu_offload")
     return {n: getattr(config, n, None) for n in names}
 
 
 for _name, _check in (("delay_wgrad", wgrad_refusal),
                       ("mla_local", mla_local_refusal),
-                      ("moe_latent", moe_latent_refusal),
                       ("optimizer_offload", optimizer_offload_refusal)):
     start_checks.register(
         AREA, _name, from_args=_check,

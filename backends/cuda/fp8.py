@@ -138,7 +138,7 @@ def _delayed_update(scaling: Fp8Scaling, direction: str) -> None:
     each fp8 linear's forward and backward, 512 updates a step at the bench's 0.95B model
     (docs/fp8.md). The reference stays `Fp8Scaling.update`, which CPU state takes."""
     hist, scale, r = scaling.amax_history[direction], scaling.scale[direction], scaling.recipe
-    if not _triton_here(hist):
+    if not _triton_here(hist) or (direction == "fwd" and scaling.recomputing):
         scaling.update(direction)
         return
     scaling.updates[direction] += 1

@@ -155,7 +155,9 @@ def ranks_printed(run: Run, t: str, p: str) -> bool:
 # models; the T5 and BERT specs and T5's dataset; core_v0.16.1's pretrain_gpt.py imports no Mamba module).
 NOT_IMPORTED_BY_GPT = ("megatron.core.models.vision.", "megatron.core.models.multimodal.", "megatron.core.models.T5.",
                        "megatron.core.models.bert.", "megatron.core.datasets.t5_dataset",
-                       "megatron.core.ssm.", "megatron.core.models.mamba.")
+                       "megatron.core.ssm.", "megatron.core.models.mamba.",
+                       "megatron.core.models.mimo.", "megatron.elastification.",
+                       "megatron.core.inference.communication_utils")   # imported by training only on some paths
 
 
 def assert_patched(run: Run, required=REQUIRED_PATCHES, may_wait=NOT_IMPORTED_BY_GPT):

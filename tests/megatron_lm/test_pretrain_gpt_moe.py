@@ -128,3 +128,49 @@ def test_ep2_grouped_experts_with_bias(tmp_path):
     base.assert_loss_falls(run)
     assert_moe_ran(run)
     assert "add_bias_linear ................................. True" in run.out
+
+
+LATENT_PATCHES = ("megatron.core.transformer.moe.moe_layer:TELinear",
+                  "megatron.core.transformer.moe.moe_layer:HAVE_TE")
+
+
+def _needs_latent():
+    from packaging.version import Version
+
+    from megatron_adapt.versions import megatron_core_version
+
+    if megatron_core_version() < Version("0.16.0"):
+        import pytest
+        pytest.skip("--moe-latent-size exists from megatron-core 0.16")
+
+
+def test_latent_moe_ep2_save_and_resume(tmp_path):
+    """--moe-latent-size (the experts, and the dispatcher, in a 32-wide latent space of the 64-wide
+    model; Nemotron's latent MoE): MoELayer's two latent projections, TE's duplicated TELinear in
+    Megatron, on the provider's duplicated linear. A shared expert runs on the full hidden states."""
+    _needs_latent()
+    ckpt = tmp_path / "ckpt"
+    save = ["--expert-model-parallel-size", "2", "--moe-latent-size", "32",
+            "--moe-shared-expert-intermediate-size", "128", "--save", str(ckpt), "--save-interval", "5"]
+    first = pretrain(save, tmp_path, "latent_ep2_save")
+    base.assert_loss_falls(first)
+    assert_moe_ran(first)
+    base.assert_patched(first, base.REQUIRED_PATCHES + REQUIRED_MOE_PATCHES + LATENT_PATCHES)
+    assert "moe_latent_size ................................. 32" in first.out
+    second = pretrain([*save, "--load", str(ckpt), "--override-opt_param-scheduler"], tmp_path,
+                      "latent_ep2_resume", iters=15)
+    assert "successfully loaded checkpoint" in second.out
+    assert min(second.losses) == 11 and max(second.losses) == 15, second.losses
+    assert abs(second.losses[11] - first.losses[10]) < 0.25, (first.losses, second.losses)
+
+
+def test_latent_moe_tp2_sequence_parallel(tmp_path):
+    """The latent projections duplicated on both tensor-parallel ranks under sequence parallelism:
+    each rank projects its own tokens and Megatron all-reduces the projections' gradients over the TP
+    group (sequence_parallel=True on them, as TE marks its duplicated linears)."""
+    _needs_latent()
+    run = pretrain(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-latent-size", "32"],
+                   tmp_path, "latent_tp2_sp")
+    base.assert_loss_falls(run)
+    assert_moe_ran(run)
+    base.assert_patched(run, base.REQUIRED_PATCHES + REQUIRED_MOE_PATCHES + LATENT_PATCHES)

@@ -5,6 +5,7 @@
     python fp8_worker.py moe          the same with MoE experts (--moe-grouped-gemm) in fp8
     python fp8_worker.py weight_cache the fp8 weight cache across micro-batches, marked as Megatron's schedule does
     python fp8_worker.py swiglu       SwiGLU computed inside the fp8 casts (fp8_swiglu) against the unfused path
+    python fp8_worker.py recompute    Megatron's recompute of fp8 code (te_checkpoint) against no recompute
 
 `train` and `moe` need fp8 GEMMs, which the cpu backend does not serve. It lends the cpu backend the
 cuda backend's own `fp8_linear` and `fp8_grouped_gemm` (torch's CPU build has `torch._scaled_mm` for float8, so the
@@ -31,7 +32,7 @@ import megatron_adapt  # noqa: E402
 from megatron_adapt import report  # noqa: E402
 
 scenario = sys.argv[1]
-if scenario in ("train", "moe", "weight_cache", "swiglu"):
+if scenario in ("train", "moe", "weight_cache", "swiglu", "recompute"):
     from megatron_adapt.backends import cpu as cpu_backend
     from megatron_adapt.backends.cuda import fp8 as cuda_fp8
 
@@ -332,5 +333,74 @@ def swiglu():
     }
 
 
-{"refusal": refusal, "train": train, "moe": moe, "weight_cache": weight_cache, "swiglu": swiglu}[scenario]()
+def recompute():
+    """Three steps on the same weights and data, with and without recompute, for each recipe:
+    selective recompute of the MLP (transformer_layer calls te_checkpoint), full recompute of every
+    layer (the block's / recompute.py's te_checkpoint) and, with MoE experts, of the MoE layer
+    (moe_layer's te_checkpoint). The recompute repeats the forward's fp8 GEMMs on the same inputs
+    with the same scales, so the losses and the forward scaling state match a run without it
+    exactly; gradients too, but for the order in which autograd sums a residual's two gradients,
+    which Megatron's MLP recompute changes in fp32 rounding with fp8 off as well."""
+    dist.init_process_group("nccl")
+    parallel_state.initialize_model_parallel(1, 1)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    torch.manual_seed(1234)
+    tokens, labels = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
+    pos = torch.arange(32).unsqueeze(0).expand(2, -1)
+    moe_kw = dict(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True, moe_ffn_hidden_size=128,
+                  moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
+                  activation_func=torch.nn.functional.silu)
+    modes = {"none": {}, "mlp": dict(recompute_granularity="selective", recompute_modules=["mlp"]),
+             "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+             "moe_none": moe_kw, "moe": dict(moe_kw, recompute_granularity="selective", recompute_modules=["moe"])}
+
+    def build(kw):
+        torch.manual_seed(0)
+        model_parallel_cuda_manual_seed(0)
+        config = TransformerConfig(**{**BASE, **kw})
+        spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=True) if "num_moe_experts" in kw
+                else get_gpt_layer_with_transformer_engine_spec())
+        return GPTModel(config, spec, vocab_size=128, max_sequence_length=32)
+
+    def state(m, d):
+        return {n: (mod.fp8_scaling.scale[d].clone(), mod.fp8_scaling.amax_history[d].clone(), mod.fp8_scaling.updates[d])
+                for n, mod in m.named_modules() if hasattr(mod, "fp8_scaling")}
+
+    def close(a, b):   # relative difference of two states' tensors; inf where the counts differ
+        return max((max(rel(x[0], y[0]), rel(x[1], y[1])) if x[2] == y[2] else float("inf"))
+                   for x, y in zip(a.values(), b.values()))
+
+    for recipe in ("tensorwise", "delayed"):
+        runs = {}
+        for mode, kw in modes.items():
+            m = build(dict(kw, fp8="hybrid", fp8_recipe=recipe, fp8_amax_history_len=4, fp8_amax_compute_algo="max"))
+            before = sum(report.op_counts().get("te_checkpoint", {}).values())
+            losses, grads = [], []
+            for _ in range(3):   # delayed: steps 2 and 3 cast with scales from the earlier steps
+                loss, g = step(m, tokens, pos, labels, False)
+                losses.append(loss)
+                grads.append({n: t.clone() for n, t in g.items() if t is not None})
+            runs[mode] = {"losses": losses, "grads": grads, "fwd": state(m, "fwd"), "bwd": state(m, "bwd"),
+                          "checkpoints": sum(report.op_counts().get("te_checkpoint", {}).values()) - before}
+        res = {}
+        for mode, ref in (("mlp", "none"), ("full", "none"), ("moe", "moe_none")):
+            a, b = runs[mode], runs[ref]
+            res[mode] = {
+                "checkpoints": a["checkpoints"], "ref_checkpoints": b["checkpoints"],
+                "losses_equal": a["losses"] == b["losses"],
+                "grad_rel_max": max(rel(ga[n], gb[n]) for ga, gb in zip(a["grads"], b["grads"]) for n in gb),
+                "grads_compared": sum(len(g) for g in b["grads"]),
+                "fwd_state_equal": all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and x[2] == y[2]
+                                       for x, y in zip(a["fwd"].values(), b["fwd"].values())),
+                "bwd_state_rel": close(a["bwd"], b["bwd"]),
+                "linears_with_state": len(b["fwd"]),
+                "fwd_updates": sorted({v[2] for v in a["fwd"].values()}),
+            }
+        out[recipe] = res
+    out["report"] = sorted(report.op_counts().get("te_checkpoint", {}))
+
+
+{"refusal": refusal, "train": train, "moe": moe, "weight_cache": weight_cache, "swiglu": swiglu,
+ "recompute": recompute}[scenario]()
 print("PROBE-JSON:" + json.dumps(out))

@@ -38,8 +38,6 @@ class TestConfig:
                          "must both divide by the all-to-all group size 2"),
         ("cp_comm_unknown", "TransformerConfig: --cp-comm-type ring with --context-parallel-size 2: the cpu backend "
                             "cannot serve it: cp_comm_type 'ring' is none of p2p, allgather, a2a, a2a+p2p"),
-        ("moe_latent", "TransformerConfig: --moe-latent-size: the cpu backend cannot run it: Megatron's MoELayer "
-                       "builds the latent projections from Transformer Engine's TELinear only"),
     ])
     def test_refused(self, key, expected):
         got = worker("config")[key]
@@ -48,7 +46,7 @@ class TestConfig:
         assert got.startswith(REFUSED + expected), got
 
     @pytest.mark.parametrize("key", ["plain", "mla_te", "cp_a2a_served", "cpu_offloading", "delay_wgrad_compute",
-                                     "fine_grained_activation_offloading", "moe_grouped_bias"])
+                                     "fine_grained_activation_offloading", "moe_grouped_bias", "moe_latent"])
     def test_served_configs_build(self, key):
         got = worker("config")[key]
         if got == "absent":
@@ -145,15 +143,13 @@ CASES = [
     (["--position-embedding-type", "relative", "--transformer-impl", "local"],
      "AssertionError: Local transformer implementation currently does not support attention bias-based "
      "position embeddings."),
-    (["--num-experts", "4", "--moe-latent-size", "16"],
-     REFUSED + "--moe-latent-size: the cpu backend cannot run it: Megatron's MoELayer builds the latent "
-               "projections from Transformer Engine's TELinear only"),
     (["--optimizer-cpu-offload", "--use-distributed-optimizer", "--use-precision-aware-optimizer"],
      REFUSED + "--optimizer-cpu-offload: the cpu backend cannot run it: Megatron's HybridDeviceOptimizer "
                "offloads the parameters for which param.is_cuda holds"),
     # served: not refused
     (["--multi-latent-attention"], "passed"),
     (["--num-experts", "4", "--moe-grouped-gemm"], "passed"),    # with Megatron's default --add-bias-linear
+    (["--num-experts", "4", "--moe-latent-size", "16"], "passed"),   # patches/moe
     (DELAY_WGRAD, "passed"),                                    # patches/delayed_wgrad
     (["--cpu-offloading-num-layers", "1"], "passed"),
     (["--cpu-offloading-num-layers", "1", "--cuda-graph-impl", "local"],
