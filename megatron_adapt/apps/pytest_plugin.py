@@ -154,8 +154,8 @@ BATCH_INVARIANT_TE = ("batch-invariant mode monkey-patches TE's GEMM and RMSNorm
 # From the runs recorded in docs/megatron-unit-tests.md; every entry says why. Layouts asked for
 # through Utils.initialize_model_parallel are skipped at run time by _guard_world_size instead.
 SKIPS: list[Skip] = [
-    Skip(UT + "transformer/test_transformer_block.py::*::test_gpu_forward_full_checkpoint_fp8", "te",
-         "runs the block under fp8=\"e4m3\": FP8 recompute needs TE's FP8GlobalStateManager"),
+    Skip(UT + "transformer/test_transformer_block.py::*::test_gpu_forward_full_checkpoint_fp8", "cuda",
+         "recomputes the block in fp8 (e4m3); " + FP8_REFUSED, backends=NOT_GPU),
     Skip(UT + "models/test_gpt_model.py::TestGPTModelWithCustomPG::test_gpt_model_with_custom_pg[[]*",
          "ranks", "builds a HyperCommGrid of 8 ranks (shapes 1x8x1 / 2x4x1) whatever the world size",
          needs_world=8),
@@ -500,9 +500,6 @@ SKIPS: list[Skip] = [
          "asserts that the TE spec builds TEGroupedMLP for bias-free experts; on core 0.15 - 0.16 megatron-adapt's "
          "spec keeps Megatron's legacy GroupedMLP there in bf16 (TEGroupedMLP only with biases or fp8; "
          "docs/moe.md)", versions=">=0.15.0,<0.17.0"),
-    Skip(UT + "transformer/moe/test_latent_moe_layer.py::TestLatentMoELayer::test_latent_moe_layer[[]*", "te",
-         "--moe-latent-size: Megatron's MoELayer builds the latent projections from TE's TELinear only (it "
-         "asserts HAVE_TE at model build); megatron-adapt refuses the flag at start on every backend"),
     Skip(UT + "distributed/mfsdp_v2/test_optimizer.py::*", "te",
          "imports TE's FusedAdam (transformer_engine.pytorch.optimizers) at module level: TE's "
          "optimizer over Megatron-FSDP's sharded parameters"),
