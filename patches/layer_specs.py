@@ -28,7 +28,7 @@ state-dict keys of a TE-built one (`linear_qkv.layer_norm_weight`, ...):
 - TE's duplicated TELinear (MLA's down projections) -> AdaptDuplicatedLinear, also bound as
   multi_latent_attention's TELinear (and by patches/moe as moe_layer's, for the latent projections);
 - norms -> the backend norm (patches/norms' replacement of WrappedTorchNorm), also as CLIP-ViT's
-  default ln_pre / ln_post norm.
+  default ln_pre / ln_post norm and as NVIDIA ModelOpt's post-training `Norm`.
 With TE installed every spec here is skipped.
 """
 import torch
@@ -573,6 +573,26 @@ def build_grouped_activation_types(backend, original):
     return tuple(t for t in original if _is_class(t)) + tuple(grouped_linear_classes(backend))
 
 
+MODELOPT = "megatron.core.post_training.modelopt"
+
+
+def build_modelopt_norm(backend, original):
+    """ModelOpt's `Norm(config, hidden_size, eps)`, TE's LayerNorm / RMSNorm by config.normalization:
+    the backend norm, as the TE spec's TENorm (BackendNorm). TE's norms keep an `_extra_state` that
+    ModelOpt's hooks drop from the state dict; the backend norm has none, so its keys are the same."""
+    _require_no_te(None)
+    return BackendNorm
+
+
+def build_modelopt_linear(backend, original):
+    """multi_latent_attention's `Linear`: ModelOpt's own `Linear` (layers.py, a torch.nn.Linear with
+    TE's constructor arguments), which it binds only when TE imports."""
+    _require_no_te(None)
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    return Linear
+
+
 def _te_name_specs(module, names, optional=False, versions=None):
     """create: core 0.15 leaves the names undefined without TE (later releases set them to None).
     optional: the module is not in every release; versions: the releases that have it."""
@@ -645,6 +665,18 @@ SPECS = [
     # sets HAVE_TE from that import alone: without TE it built the MagicMock stand-ins.
     *_te_name_specs("megatron.elastification.router.hybrid_flex_router",
                     ("TEColumnParallelLinear", "TERowParallelLinear"), optional=True, versions=">=0.19.0,<0.20.0"),
+    # NVIDIA ModelOpt's post-training specs (quantization, distillation, MTP fine-tuning): its Norm
+    # builds TE's LayerNorm / RMSNorm only ("Transformer-Engine is not installed" without TE), and
+    # its GPT / Mamba / hybrid specs name TE's attention (and the hybrid one TENorm) as module globals.
+    PatchSpec(f"{MODELOPT}.layers:Norm", area="layer_specs", build=build_modelopt_norm),
+    # ModelOpt's MLA spec gives the down projections its own plain Linear (no TE in it), which MLA
+    # accepts only as its module's `Linear`, imported there only where TE imports
+    PatchSpec("megatron.core.transformer.multi_latent_attention:Linear", area="layer_specs",
+              build=build_modelopt_linear, create=True, check_signature=False),
+    *_te_name_specs(f"{MODELOPT}.gpt.model_specs", ("TEDotProductAttention",)),
+    *_te_name_specs(f"{MODELOPT}.mamba.model_specs", ("TEDotProductAttention",), versions=">=0.15.0,<0.18.0"),
+    *_te_name_specs(f"{MODELOPT}.hybrid.model_specs", ("TEDotProductAttention", "TENorm"),
+                    versions=">=0.18.0,<0.20.0"),
     # Activation logging (core_v0.19, megatron.training): the module types it hooks.
     PatchSpec("megatron.training.activation_logging:LINEAR_TYPES", area="layer_specs",
               build=build_activation_types, check_signature=False, optional=True, versions=">=0.19.0,<0.20.0"),

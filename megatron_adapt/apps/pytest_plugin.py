@@ -338,13 +338,6 @@ SKIPS: list[Skip] = [
            "require a CUDA device (torch/cuda/_utils.py: \"Expected a cuda device, but got: cpu\")",
            backends=NOT_GPU)
       for f in ("test_fully_shard", "test_context", "test_annotation", "test_symmetric_memory", "test_cuda_graph")),
-    Skip(UT + "post_training/test_modelopt_module_spec.py::*", "te",
-         "ModelOpt's layer spec (post_training/modelopt/layers.py) builds TE layers and raises "
-         "\"Transformer-Engine is not installed\" at construction"),
-    Skip(UT + "post_training/test_freeze_base_for_mtp.py::*", "te",
-         "builds its GPT model from ModelOpt's layer spec (get_gpt_modelopt_spec), whose norms are TE's "
-         "(post_training/modelopt/layers.py raises \"Transformer-Engine is not installed\")",
-         versions=">=0.19.0,<0.20.0"),
     Skip(UT + "distributed/test_param_and_grad_buffer.py::test_grad_sync[[]2-*", "ranks",
          "num_distributed_optimizer_instances=2 needs a data-parallel size divisible by 2 "
          "(parallel_state.py: \"Data parallel size should be divisible by partial DistOpt shard factor\")",

@@ -156,7 +156,7 @@ def ranks_printed(run: Run, t: str, p: str) -> bool:
 NOT_IMPORTED_BY_GPT = ("megatron.core.models.vision.", "megatron.core.models.multimodal.", "megatron.core.models.T5.",
                        "megatron.core.models.bert.", "megatron.core.datasets.t5_dataset",
                        "megatron.core.ssm.", "megatron.core.models.mamba.",
-                       "megatron.core.models.mimo.", "megatron.elastification.",
+                       "megatron.core.models.mimo.", "megatron.elastification.", "megatron.core.post_training.",
                        "megatron.core.inference.communication_utils")   # imported by training only on some paths
 
 

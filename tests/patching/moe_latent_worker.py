@@ -8,6 +8,7 @@ space; the reference run sets config.moe_latent_size to None, which MoELayer.for
 outputs and gradients must agree. With a smaller latent size: classes, shapes, the gradients reaching the
 projections, their checkpoint keys, and three SGD steps.
 """
+import functools
 import json
 import os
 import warnings
@@ -46,7 +47,10 @@ def layer(latent, grouped=True):
     model_parallel_cuda_manual_seed(0)
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=E, moe_grouped_gemm=grouped)
     from megatron.core.process_groups_config import ProcessGroupCollection
-    return build_module(spec.submodules.mlp, config=cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    mlp, pgs = spec.submodules.mlp, ProcessGroupCollection.use_mpu_process_groups()
+    if isinstance(mlp, functools.partial):   # core 0.19's specs: partial(MoELayer, submodules=...)
+        return mlp(config=cfg, pg_collection=pgs)
+    return build_module(mlp, config=cfg, pg_collection=pgs)
 
 
 def run(moe, x):

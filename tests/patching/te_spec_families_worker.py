@@ -348,4 +348,52 @@ def _():
             "attention_bias_calls": counts.get("attention_bias", {})}
 
 
+
+@check("modelopt")
+def _():
+    """NVIDIA ModelOpt's GPT spec (get_gpt_modelopt_spec: Megatron's local linears with TE's norms and
+    attention, what ModelOpt quantizes and distils), against the local spec: the same parameter names,
+    so the weights load strictly; MLA's down projections on ModelOpt's own Linear in a second model."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.post_training.modelopt.gpt.model_specs import get_gpt_modelopt_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    cfg = config(normalization="RMSNorm", qk_layernorm=True)
+    vocab, s, b = 96, 16, 2
+
+    def build(spec, c=cfg):
+        torch.manual_seed(1)
+        model_parallel_cuda_manual_seed(1)
+        return GPTModel(config=c, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=s).to(DEVICE)
+
+    mo = build(get_gpt_modelopt_spec(cfg))
+    local = megatron_attention(build(get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")))
+    missing = mo.load_state_dict(local.state_dict(), strict=True)
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, vocab, (b, s), generator=g).to(DEVICE)
+    labels = torch.randint(0, vocab, (b, s), generator=g).to(DEVICE)
+    pos = torch.arange(s, device=DEVICE).expand(b, s)
+    losses = {}
+    for side, model in (("modelopt", mo), ("local", local)):
+        loss = model(tokens, pos, None, labels=labels)
+        loss.float().mean().backward()
+        losses[side] = loss.detach()
+    worst, where = grad_diff(local, mo, {n: n for n, _ in local.named_parameters()})
+    mla_cfg = MLATransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                                   q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8,
+                                   v_head_dim=8, normalization="RMSNorm", qk_layernorm=True,
+                                   hidden_dropout=0.0, attention_dropout=0.0)
+    mla = build(get_gpt_modelopt_spec(mla_cfg), mla_cfg)
+    layer = mla.decoder.layers[0].self_attention
+    loss = mla(tokens, pos, None, labels=labels)
+    loss.float().mean().backward()
+    return {"load": str(missing), "loss_diff": (losses["modelopt"] - losses["local"]).abs().max().item(),
+            "loss": losses["local"].float().mean().item(), "grad_rel_diff": worst, "grad_worst": where,
+            "modelopt_modules": modules_of(mo),
+            "mla_down_proj": type(layer.linear_q_down_proj).__module__ + "." + type(layer.linear_q_down_proj).__name__,
+            "mla_loss_finite": bool(torch.isfinite(loss).all()),
+            "mla_down_grad": layer.linear_q_down_proj.weight.grad is not None}
+
+
 print(json.dumps(results))

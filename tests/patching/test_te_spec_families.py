@@ -1,4 +1,4 @@
-"""BERT, T5 and heterogeneous GPT from their transformer_engine layer specs without TE (patches/layer_specs), against
+"""BERT, T5, heterogeneous GPT and ModelOpt's GPT spec from their TE-naming layer specs without TE (patches/layer_specs), against
 Megatron's local specs on Megatron's own attention, with the same weights: per-token loss on real
 tokens within 1e-5 and every parameter's gradient within 1e-4 relative (fp32; both land near 5e-7).
 T5 with --position-embedding-type relative (a learned attention bias, which Megatron's own
@@ -87,3 +87,18 @@ def test_attention_served_by_the_backend(backend, impl):
     counts = result(backend)["op_counts"]["attention"]
     assert set(counts) == {impl}, counts
     assert sum(counts.values()) == 10   # TE-spec models: BERT 2 layers, T5 2 + 2 x 2, heterogeneous 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_modelopt_gpt_spec_matches_megatrons_local_spec(backend):
+    """NVIDIA ModelOpt's post-training GPT spec (its Norm builds TE's norms only, its attention is TE's)
+    on the backend norm and attention: the local spec's weights load strictly, the loss within 1e-5
+    and every gradient within 1e-4 relative of the local spec on Megatron's own attention; ModelOpt's
+    MLA spec builds its down projections on ModelOpt's own Linear and trains."""
+    res = result(backend)["modelopt"]
+    assert "error" not in res, res.get("error")
+    assert res["load"] == "<All keys matched successfully>", res
+    assert res["loss_diff"] <= 1e-5 and res["grad_rel_diff"] <= 1e-4 and 3.0 < res["loss"] < 6.0, res
+    assert "AdaptDotProductAttention" in res["modelopt_modules"], res
+    assert res["mla_down_proj"] == "megatron.core.post_training.modelopt.layers.Linear", res
+    assert res["mla_loss_finite"] and res["mla_down_grad"], res
