@@ -413,7 +413,11 @@ def _recompute_view(linear, scaling):
     if _saving:
         _saving[-1].setdefault(linear, []).append(scaling.scale["fwd"].clone())
     elif _replaying:
-        return scaling.recomputed(_replaying[-1][linear].pop(0))
+        saved = _replaying[-1].get(linear)
+        if not saved:
+            raise RuntimeError(f"te_checkpoint: the recompute calls an fp8 linear ({type(linear).__name__}) "
+                               f"more often than its forward did: no forward scale saved for it")
+        return scaling.recomputed(saved.pop(0))
     return scaling
 
 
@@ -434,18 +438,16 @@ def te_checkpoint(forward_func, distribute_saved_activations, get_rng_state_trac
     global tensor-parallel group), with the recompute inside the fp8 context the forward ran in
     (backward runs outside the layer's context) and the delayed-scaling rule of _recompute_view.
     kwargs go to forward_func on both runs, as with TE."""
-    import functools
-
     from megatron.core import tensor_parallel
 
-    recipe, scales, runs = active_recipe(), {}, []
+    recipe, scales, forward_done = active_recipe(), {}, [False]
     report.ran("te_checkpoint", "Megatron's checkpoint, recompute in the forward's fp8 context")
 
     def run(*inputs):
-        phase = (_saving if not runs else _replaying)
-        runs.append(1)
+        phase = _replaying if forward_done[0] else _saving   # Megatron's checkpoint: forward, then recompute
+        forward_done[0] = True
         with fp8_autocast(recipe), _entered(phase, scales):
-            return functools.partial(forward_func, **kwargs)(*inputs)
+            return forward_func(*inputs, **kwargs)
     return tensor_parallel.checkpoint(run, distribute_saved_activations, *args)
 
 
