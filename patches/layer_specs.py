@@ -458,7 +458,8 @@ def build_clip_vit_init(backend, original):
 
 
 def build_mla_te_linear(backend, original):
-    """multi_latent_attention asks `linear_q_down_proj in [TELinear]` to pass
+    """TE's TELinear in duplicated mode (also MoELayer's latent projections, patches/moe).
+    multi_latent_attention asks `linear_q_down_proj in [TELinear]` to pass
     parallel_mode="duplicated" (and no TP group). Without TE its TELinear is None (core_v0.17+),
     so the provider's duplicated linear would be refused as "Unsupported linear_q_down_proj", or
     (0.15-0.16, whose extension module subclasses a MagicMock standing in for TE) a MagicMock,
@@ -576,14 +577,6 @@ def build_grouped_activation_types(backend, original):
 MODELOPT = "megatron.core.post_training.modelopt"
 
 
-def build_modelopt_norm(backend, original):
-    """ModelOpt's `Norm(config, hidden_size, eps)`, TE's LayerNorm / RMSNorm by config.normalization:
-    the backend norm, as the TE spec's TENorm (BackendNorm). TE's norms keep an `_extra_state` that
-    ModelOpt's hooks drop from the state dict; the backend norm has none, so its keys are the same."""
-    _require_no_te(None)
-    return BackendNorm
-
-
 def build_modelopt_linear(backend, original):
     """multi_latent_attention's `Linear`: ModelOpt's own `Linear` (layers.py, a torch.nn.Linear with
     TE's constructor arguments), which it binds only when TE imports."""
@@ -668,7 +661,8 @@ SPECS = [
     # NVIDIA ModelOpt's post-training specs (quantization, distillation, MTP fine-tuning): its Norm
     # builds TE's LayerNorm / RMSNorm only ("Transformer-Engine is not installed" without TE), and
     # its GPT / Mamba / hybrid specs name TE's attention (and the hybrid one TENorm) as module globals.
-    PatchSpec(f"{MODELOPT}.layers:Norm", area="layer_specs", build=build_modelopt_norm),
+    # (TE's norms keep an `_extra_state` that ModelOpt's hooks drop; the backend norm has none)
+    PatchSpec(f"{MODELOPT}.layers:Norm", area="layer_specs", build=build_te_name("TENorm")),
     # ModelOpt's MLA spec gives the down projections its own plain Linear (no TE in it), which MLA
     # accepts only as its module's `Linear`, imported there only where TE imports
     PatchSpec("megatron.core.transformer.multi_latent_attention:Linear", area="layer_specs",

@@ -48,6 +48,7 @@ import types
 import torch
 
 from megatron_adapt import report, start_checks
+from megatron_adapt.patches.layer_specs import build_mla_te_linear
 from megatron_adapt.spec import WRAP, PatchSpec, SkipPatch
 
 GG = "megatron.core.transformer.moe.grouped_gemm_util"
@@ -753,24 +754,14 @@ LATENT = ">=0.16.0,<0.20.0"   # --moe-latent-size exists from core 0.16
 MOE_LAYER = "megatron.core.transformer.moe.moe_layer"
 
 
-def build_latent_linear(backend, original):
-    """`--moe-latent-size`: MoELayer builds its two latent projections (hidden -> latent before the
-    dispatcher, latent -> hidden after the combine) from TE's TELinear in duplicated mode, the
-    linear MLA's down projections use: the provider's AdaptDuplicatedLinear (patches/layer_specs)
-    serves both, with TE's parameter names and checkpoint layout."""
-    if start_checks.te_installed():
-        raise SkipPatch("Transformer Engine is installed: its TELinear serves the latent projections")
-    from megatron_adapt.patches.layer_specs import duplicated_linear_class
-
-    return duplicated_linear_class()
-
-
 SPECS = [
     # MoELayer asserts HAVE_TE before building the latent projections; in moe_layer.py HAVE_TE
     # guards nothing else (the TE imports at its top have run by then)
     PatchSpec(f"{MOE_LAYER}:HAVE_TE", area="moe", versions=LATENT, check_signature=False,
               build=start_checks.served_without_te("HAVE_TE", True, "MoELayer's latent projections")),
-    PatchSpec(f"{MOE_LAYER}:TELinear", area="moe", versions=LATENT, build=build_latent_linear, create=True,
+    # the latent projections (hidden -> latent before the dispatcher, back after the combine) are TE's
+    # duplicated TELinear, as MLA's down projections: the provider's duplicated linear serves both
+    PatchSpec(f"{MOE_LAYER}:TELinear", area="moe", versions=LATENT, build=build_mla_te_linear, create=True,
               check_signature=False),
     PatchSpec(f"{GG}:grouped_gemm", area="moe", versions=LEGACY, build=build_package),
     PatchSpec(f"{GG}:ops", area="moe", versions=LEGACY, build=build_ops),

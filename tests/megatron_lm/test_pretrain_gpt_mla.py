@@ -54,16 +54,9 @@ def assert_mla_ran(run):
 
 
 def test_mla_moe_ep2_save_and_resume(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    save = ["--expert-model-parallel-size", "2", "--save", str(ckpt), "--save-interval", "5"]
-    first = pretrain(save, tmp_path, "mla_ep2_save")
+    first, _ = moe.save_and_resume(["--expert-model-parallel-size", "2"], tmp_path, "mla_ep2", run=pretrain)
     base.assert_loss_falls(first)
     assert_mla_ran(first)
-    second = pretrain([*save, "--load", str(ckpt), "--override-opt_param-scheduler"], tmp_path,
-                      "mla_ep2_resume", iters=15)
-    assert "successfully loaded checkpoint" in second.out
-    assert min(second.losses) == 11 and max(second.losses) == 15, second.losses
-    assert abs(second.losses[11] - first.losses[10]) < 0.25, (first.losses, second.losses)
 
 
 def test_mla_moe_tp2_sequence_parallel(tmp_path):

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_pretrain_gpt as base  # noqa: E402
 
@@ -71,18 +73,24 @@ def assert_moe_ran(run, *ops):
         assert not run.ops[op]["fallback_reason"], run.ops[op]
 
 
-def test_ep2_grouped_gemm_alltoall_aux_loss_save_and_resume(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    save = ["--expert-model-parallel-size", "2", "--save", str(ckpt), "--save-interval", "5"]
-    first = pretrain(save, tmp_path, "ep2_save")
-    base.assert_loss_falls(first)
-    assert_moe_ran(first)
-    assert first.ops["grouped_gemm"]["implementation"] == "cpu.loop(matmul per expert)"
-    second = pretrain([*save, "--load", str(ckpt), "--override-opt_param-scheduler"], tmp_path,
-                      "ep2_resume", iters=15)
+def save_and_resume(args, tmp, name, run=pretrain):
+    """`run` for 10 iterations saving at 5 and 10, then for 15 loading iteration 10: the resumed run
+    reports iterations 11-15 and continues the first run's curve. Returns both runs."""
+    ckpt = tmp / f"ckpt_{name}"
+    save = [*args, "--save", str(ckpt), "--save-interval", "5"]
+    first = run(save, tmp, f"{name}_save")
+    second = run([*save, "--load", str(ckpt), "--override-opt_param-scheduler"], tmp, f"{name}_resume", iters=15)
     assert "successfully loaded checkpoint" in second.out
     assert min(second.losses) == 11 and max(second.losses) == 15, second.losses
     assert abs(second.losses[11] - first.losses[10]) < 0.25, (first.losses, second.losses)
+    return first, second
+
+
+def test_ep2_grouped_gemm_alltoall_aux_loss_save_and_resume(tmp_path):
+    first, _ = save_and_resume(["--expert-model-parallel-size", "2"], tmp_path, "ep2")
+    base.assert_loss_falls(first)
+    assert_moe_ran(first)
+    assert first.ops["grouped_gemm"]["implementation"] == "cpu.loop(matmul per expert)"
 
 
 def test_ep2_shared_expert_permute_and_router_fusion(tmp_path):
@@ -140,7 +148,6 @@ def _needs_latent():
     from megatron_adapt.versions import megatron_core_version
 
     if megatron_core_version() < Version("0.16.0"):
-        import pytest
         pytest.skip("--moe-latent-size exists from megatron-core 0.16")
 
 
@@ -149,19 +156,12 @@ def test_latent_moe_ep2_save_and_resume(tmp_path):
     model; Nemotron's latent MoE): MoELayer's two latent projections, TE's duplicated TELinear in
     Megatron, on the provider's duplicated linear. A shared expert runs on the full hidden states."""
     _needs_latent()
-    ckpt = tmp_path / "ckpt"
-    save = ["--expert-model-parallel-size", "2", "--moe-latent-size", "32",
-            "--moe-shared-expert-intermediate-size", "128", "--save", str(ckpt), "--save-interval", "5"]
-    first = pretrain(save, tmp_path, "latent_ep2_save")
+    first, _ = save_and_resume(["--expert-model-parallel-size", "2", "--moe-latent-size", "32",
+                                "--moe-shared-expert-intermediate-size", "128"], tmp_path, "latent_ep2")
     base.assert_loss_falls(first)
     assert_moe_ran(first)
     base.assert_patched(first, base.REQUIRED_PATCHES + REQUIRED_MOE_PATCHES + LATENT_PATCHES)
     assert "moe_latent_size ................................. 32" in first.out
-    second = pretrain([*save, "--load", str(ckpt), "--override-opt_param-scheduler"], tmp_path,
-                      "latent_ep2_resume", iters=15)
-    assert "successfully loaded checkpoint" in second.out
-    assert min(second.losses) == 11 and max(second.losses) == 15, second.losses
-    assert abs(second.losses[11] - first.losses[10]) < 0.25, (first.losses, second.losses)
 
 
 def test_latent_moe_tp2_sequence_parallel(tmp_path):
