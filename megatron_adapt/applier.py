@@ -292,12 +292,13 @@ def _name(obj) -> str:
     return f"{module}.{getattr(obj, '__qualname__', type(obj).__name__).split('.')[-1]}"
 
 
-def select(specs, version) -> list[PatchSpec]:
-    """One spec per target: the one whose version range holds `version`.
+def select(specs, version, backend: str | None = None) -> list[PatchSpec]:
+    """One spec per target: the one whose version range holds `version` (and, where specs of one
+    target serve different backends, the one for `backend`).
 
     A target that changed between megatron-core releases has one spec per range; overlapping
-    ranges are a bug in the patch module. Where no range holds the version, the first spec stays,
-    and apply_spec records it as skipped with its range.
+    ranges among specs for a common backend are a bug in the patch module. Where no range holds the
+    version, the first spec stays, and apply_spec records it as skipped with its range.
     """
     by_target: dict[str, list[PatchSpec]] = {}
     for s in specs:
@@ -305,10 +306,12 @@ def select(specs, version) -> list[PatchSpec]:
     chosen = []
     for target, group in by_target.items():
         fitting = [s for s in group if in_range(s.versions, version)]
-        if len(fitting) > 1:
+        clash = [(a, b) for i, a in enumerate(fitting) for b in fitting[i + 1:] if set(a.backends) & set(b.backends)]
+        if clash:
             raise PatchError(f"{target}: specs with overlapping version ranges "
-                             f"{[s.versions for s in fitting]} for megatron-core {version}")
-        chosen.append(fitting[0] if fitting else group[0])
+                             f"{[s.versions for s in clash[0]]} for megatron-core {version}")
+        mine = [s for s in fitting if backend in s.backends]
+        chosen.append((mine or fitting or group)[0])
     return chosen
 
 
@@ -329,7 +332,7 @@ def register(specs, backend, config, version, untested: str | None = None) -> No
         return hook
 
     by_module: dict[str, list[PatchSpec]] = {}
-    for s in select(specs, version):
+    for s in select(specs, version, backend.name):
         rec = report.patch_record(s)
         if version is not None and not in_range(s.versions, version):
             # Known now: a target this release does not have (or has changed) is not waited for.

@@ -378,6 +378,37 @@ def build_eval_eager(backend, original):
     return call
 
 
+def build_mla_rope_cache_copies(backend, original):
+    """core 0.18+: CudaGraphRunner.create_fwd_graph backs up every buffer of the layer it captures
+    and copies each back in place after the forward capture (so the warm-up runs cannot move the MoE
+    router's expert bias). Multi-latent attention's fused RoPE (Megatron's Triton kernels) saves
+    YaRN's cos / sin cache for its backward: slices of that layer's buffers. The copy back bumps
+    their version, and the backward capture fails ("modified by an inplace operation"), in bf16 and
+    fp8, with TE or without. Inside a capture the kernels get copies of cos / sin (2048 positions x
+    64 in bf16: 256 KiB each per layer), which the restore leaves alone; eager runs are unchanged."""
+    import inspect
+
+    import torch
+
+    from megatron_adapt.spec import SkipPatch
+
+    if original is None:
+        raise SkipPatch("Megatron's fused MLA RoPE did not import (no Triton)")
+    signature = inspect.signature(original)
+
+    def call(wrapped, instance, args, kwargs):
+        if not torch.cuda.is_current_stream_capturing():
+            return wrapped(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        for name in ("cos", "sin"):
+            bound.arguments[name] = bound.arguments[name].clone()
+        report.ran("mla_rope_capture", "cos / sin copied inside the capture (core 0.18+ restores layer buffers in place)")
+        return wrapped(*bound.args, **bound.kwargs)
+    return call
+
+
+MLA = "megatron.core.transformer.multi_latent_attention"
+
 SPECS = [
     PatchSpec("megatron.training.arguments:parse_args", area="cuda_graphs", mode=WRAP,
               build=build_switch, optional=True),
@@ -387,4 +418,8 @@ SPECS = [
               mode=WRAP, build=build_eval_eager),
     PatchSpec("megatron.core.full_cuda_graph:FullCudaGraphWrapper.__call__", area="cuda_graphs",
               mode=WRAP, build=build_full_iteration),
+    # the buffer restore after a layer's forward capture came with core 0.18 (cuda_graphs.py)
+    *(PatchSpec(f"{MLA}:fused_apply_mla_rope_for_{part}", area="cuda_graphs", mode=WRAP, backends=("cuda",),
+                versions=">=0.18.0,<0.20.0", build=build_mla_rope_cache_copies, check_signature=False)
+      for part in ("q", "kv")),
 ]

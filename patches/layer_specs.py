@@ -137,7 +137,7 @@ def _provider_class(backend):
             return BackendNorm
 
         def linear(self):
-            return duplicated_linear_class()
+            return duplicated_linear_class(backend)
 
         def core_attention(self):
             return core_attention_class()
@@ -230,12 +230,16 @@ def _sequential_experts_delayed(spec):
 _classes: dict[str, type] = {}   # backend-independent modules, built once Megatron is importable
 
 
-def duplicated_linear_class():
+def duplicated_linear_class(backend):
     """TE's TELinear as the TE spec uses it (`parallel_mode="duplicated"`: MLA's q / kv down
-    projections), built on Megatron's own linear autograd function."""
+    projections, MoE's latent projections), built on Megatron's own linear autograd function;
+    built with config.fp8 set, it runs the backend's fp8 GEMM inside fp8 contexts as TE's does
+    (patches/fp8's variant; the same class object for every caller, so MLA's `in [TELinear]` holds)."""
+    from megatron_adapt.patches.fp8 import fp8_variant
+
     if "duplicated_linear" not in _classes:
         _classes["duplicated_linear"] = _build_duplicated_linear()
-    return _classes["duplicated_linear"]
+    return fp8_variant(_classes["duplicated_linear"], backend)
 
 
 def _build_duplicated_linear():
@@ -297,13 +301,12 @@ def _build_duplicated_linear():
                 p.sequence_parallel = bool(config.sequence_parallel)
                 p.tensor_model_parallel = False
             if delayed(config):  # the weight gradient in backward_dw() (patches/delayed_wgrad)
+                if getattr(config, "fp8", None) or getattr(config, "fp4", None):
+                    from megatron_adapt.errors import UnsupportedFeatureError
+                    raise UnsupportedFeatureError(
+                        "delay_wgrad_compute with fp8/fp4 (duplicated linear): megatron-adapt's fp8 "
+                        "linears compute weight gradients in the backward. Drop --delay-wgrad-compute or fp8.")
                 self._init_delayed_wgrad()
-            if getattr(config, "fp8", None):   # TE's TELinear would run fp8 GEMMs here
-                from megatron_adapt import report
-                report.fell_back("fp8_linear", "duplicated linear in bf16",
-                                 "TE's TELinear(parallel_mode='duplicated') (MLA's down projections, MoE latent "
-                                 "projections) runs in bf16 here; megatron-adapt's fp8 GEMMs serve the TE "
-                                 "spec's column- and row-parallel linears")
 
         def forward(self, x):
             bias = None if self.skip_bias_add else self.bias
@@ -311,10 +314,15 @@ def _build_duplicated_linear():
                 fuse = self.config.gradient_accumulation_fusion and hasattr(self.weight, "main_grad")
                 out = DelayedWgradLinear.apply(x, self.weight, bias, self, fuse, False, False, None)
                 return out, (self.bias if self.skip_bias_add else None)
-            out = layers.linear_with_grad_accumulation_and_async_allreduce(
-                x, self.weight, bias, gradient_accumulation_fusion=self.config.gradient_accumulation_fusion,
-                allreduce_dgrad=False, sequence_parallel=False)
+            out = self._forward_impl(x, self.weight, bias=bias,
+                                     gradient_accumulation_fusion=self.config.gradient_accumulation_fusion,
+                                     allreduce_dgrad=False, sequence_parallel=False)
             return out, (self.bias if self.skip_bias_add else None)
+
+        def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (Megatron's names)
+            """The matmul, under the name Megatron's parallel linears give it, which the fp8
+            variant overrides (patches/fp8)."""
+            return layers.linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs)
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             """Replicated across TP and DP, as TE's TELinear in duplicated mode."""
@@ -466,7 +474,7 @@ def build_mla_te_linear(backend, original):
     which MLA's `isinstance(linear_proj, TELinear)` rejects with a TypeError; there every alias of
     that stand-in is rebound too, so calling "TELinear" builds a real module or refuses clearly."""
     _require_no_te(None)
-    return duplicated_linear_class()
+    return duplicated_linear_class(backend)
 
 
 # The TE class names BERT's and T5's spec modules hold as module globals (None without TE), and what

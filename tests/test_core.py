@@ -130,6 +130,12 @@ def test_a_target_changed_between_releases_gets_the_spec_of_its_range():
     both = PatchSpec("megatron.core.x:f", area="x", build=lambda b, o: o, versions=">=0.18.0")
     with pytest.raises(PatchError, match="overlapping"):
         select([old, new, both], Version("0.19.2"))
+    # one target, disjoint backends (cpu / npu replace it, cuda wraps it from 0.18): each backend its own
+    cpu = PatchSpec("megatron.core.x:g", area="x", build=lambda b, o: o, backends=("cpu", "npu"))
+    cuda = PatchSpec("megatron.core.x:g", area="x", build=lambda b, o: o, backends=("cuda",), versions=">=0.18.0")
+    assert select([cpu, cuda], Version("0.19.2"), "cuda") == [cuda]
+    assert select([cpu, cuda], Version("0.19.2"), "cpu") == [cpu]
+    assert select([cpu, cuda], Version("0.16.1"), "cuda") == [cpu]   # recorded as not needed on cuda
 
 
 def test_every_changed_target_has_a_spec_for_every_supported_release_line():

@@ -61,7 +61,7 @@ def builders():
         "row": lambda c: provider.row_parallel_linear()(H, OUT, config=c, input_is_parallel=True, **common),
         "norm_column": lambda c: provider.column_parallel_layer_norm_linear()(
             H, OUT, config=c, gather_output=False, **common),
-        "duplicated": lambda c: layer_specs.duplicated_linear_class()(
+        "duplicated": lambda c: provider.linear()(
             H, OUT, parallel_mode="duplicated", config=c, init_method=init, bias=True, skip_bias_add=False,
             skip_weight_param_allocation=False),
     }

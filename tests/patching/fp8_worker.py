@@ -6,6 +6,7 @@
     python fp8_worker.py weight_cache the fp8 weight cache across micro-batches, marked as Megatron's schedule does
     python fp8_worker.py swiglu       SwiGLU computed inside the fp8 casts (fp8_swiglu) against the unfused path
     python fp8_worker.py recompute    Megatron's recompute of fp8 code (te_checkpoint) against no recompute
+    python fp8_worker.py duplicated   MLA's down projections and MoE's latent projections (TE's duplicated TELinear) in fp8
 
 `train` and `moe` need fp8 GEMMs, which the cpu backend does not serve. It lends the cpu backend the
 cuda backend's own `fp8_linear` and `fp8_grouped_gemm` (torch's CPU build has `torch._scaled_mm` for float8, so the
@@ -32,7 +33,7 @@ import megatron_adapt  # noqa: E402
 from megatron_adapt import report  # noqa: E402
 
 scenario = sys.argv[1]
-if scenario in ("train", "moe", "weight_cache", "swiglu", "recompute"):
+if scenario in ("train", "moe", "weight_cache", "swiglu", "recompute", "duplicated"):
     from megatron_adapt.backends import cpu as cpu_backend
     from megatron_adapt.backends.cuda import fp8 as cuda_fp8
 
@@ -401,6 +402,67 @@ def recompute():
     out["report"] = sorted(report.op_counts().get("te_checkpoint", {}))
 
 
+def duplicated():
+    """MLA (q / kv down projections) with latent MoE (fc1 / fc2 latent projections): the linears
+    TE's spec builds as TELinear(parallel_mode="duplicated") run the backend's fp8 GEMM, as TE's
+    would, against the same model with fp8 off at run time (Megatron's get_fp8_context: nullcontext)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    dist.init_process_group("nccl")
+    parallel_state.initialize_model_parallel(1, 1)
+    kw = dict(BASE, multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16,
+              qk_pos_emb_head_dim=16, v_head_dim=16, qk_layernorm=True, rope_type="rope",
+              num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True, moe_ffn_hidden_size=64,
+              moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
+              activation_func=torch.nn.functional.silu)
+    latent = "moe_latent_size" in TransformerConfig.__dataclass_fields__   # core 0.16+
+    if latent:
+        kw["moe_latent_size"] = 32
+    torch.manual_seed(1234)
+    tokens, labels = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
+    pos = torch.arange(32).unsqueeze(0).expand(2, -1)
+
+    def build(**extra):
+        torch.manual_seed(0)
+        model_parallel_cuda_manual_seed(0)
+        config = MLATransformerConfig(**kw, **extra)
+        return GPTModel(config, get_gpt_decoder_block_spec(config, use_transformer_engine=True),
+                        vocab_size=128, max_sequence_length=32)
+
+    names = ["self_attention.linear_q_down_proj", "self_attention.linear_kv_down_proj"]
+    if latent:
+        names += ["mlp.fc1_latent_proj", "mlp.fc2_latent_proj"]
+    ref = build(fp8="hybrid", fp8_recipe="tensorwise")
+    ref.config.fp8 = None
+    before = calls()
+    ref_loss, ref_grads = step(ref, tokens, pos, labels, False)
+    out["ref_calls"] = calls() - before
+    out["latent"] = latent
+    out["plain_types"] = sorted({type(build().get_submodule(f"decoder.layers.0.{n}")).__name__ for n in names})
+    for recipe, main_grad in (("tensorwise", False), ("delayed", True)):
+        m = build(fp8="hybrid", fp8_recipe=recipe, gradient_accumulation_fusion=main_grad,
+                  fp8_amax_history_len=4, fp8_amax_compute_algo="max")
+        m.load_state_dict(ref.state_dict(), strict=False)
+        dup = {f"{i}.{n}": m.get_submodule(f"decoder.layers.{i}.{n}") for i in range(3) for n in names}
+        fp8_linears = sum(1 for mod in m.modules() if hasattr(mod, "fp8_scaling"))
+        before = calls()
+        for _ in range(2):   # delayed: the 2nd step casts with scales from the 1st step's amaxes
+            loss, grads = step(m, tokens, pos, labels, main_grad)
+        sd = m.state_dict()
+        out[recipe] = {
+            "types": sorted({type(mod).__name__ for mod in dup.values()}),
+            "fp8_calls": calls() - before, "fp8_linears": fp8_linears,
+            "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
+            "dup_grad_rel": {k: rel(grads[f"decoder.layers.{k}.weight"], ref_grads[f"decoder.layers.{k}.weight"])
+                             for k in dup},
+            "dup_amax_seen": all(bool(mod.fp8_scaling.amax_history["fwd"].abs().sum() > 0) for mod in dup.values()),
+            "dup_extra_state_bytes": min(sd[f"decoder.layers.{k}._extra_state"].numel() for k in dup),
+        }
+    out["fallbacks"] = {o["implementation"]: o["fallback_reason"] for o in report.as_dict()["ops"]
+                        if o["op"] == "fp8_linear" and o["fallback_reason"]}
+
+
 {"refusal": refusal, "train": train, "moe": moe, "weight_cache": weight_cache, "swiglu": swiglu,
- "recompute": recompute}[scenario]()
+ "recompute": recompute, "duplicated": duplicated}[scenario]()
 print("PROBE-JSON:" + json.dumps(out))

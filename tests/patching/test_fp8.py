@@ -135,6 +135,26 @@ class TestFp8ThroughMegatron:
             assert r["loss_rel"] < 2e-3, r
             assert r["expert_grads"] == 24 and 1e-3 < r["expert_grad_rel_max"] < 0.35, r
 
+    def test_duplicated_linears_of_mla_and_latent_moe_in_fp8(self):
+        """The linears TE's spec builds as TELinear(parallel_mode="duplicated") -- MLA's q / kv down
+        projections and MoE's latent projections -- run the backend's fp8 GEMM inside Megatron's fp8
+        context, as TE's would, with their scaling state in _extra_state; built without fp8 they stay
+        the plain duplicated linear. Against the same model with fp8 off at run time."""
+        res = worker("duplicated")
+        assert res["ref_calls"] == 0 and res["plain_types"] == ["AdaptDuplicatedLinear"], res
+        assert res["fallbacks"] == {}, res["fallbacks"]        # no linear left in bf16 under fp8
+        for recipe in ("tensorwise", "delayed"):
+            r = res[recipe]
+            assert r["types"] == ["Fp8AdaptDuplicatedLinear"], r
+            # every fp8 linear once per step: 3 layers x (q_down, q_up, kv_down, kv_up, proj, and the
+            # two latent projections where the release has them), 2 steps
+            assert r["fp8_linears"] == 3 * (7 if res["latent"] else 5) and r["fp8_calls"] == 2 * r["fp8_linears"], r
+            assert r["loss_rel"] < 2e-3, r
+            assert len(r["dup_grad_rel"]) == 3 * (4 if res["latent"] else 2), r
+            assert all(1e-3 < v < 0.25 for v in r["dup_grad_rel"].values()), r   # quantized, within fp8 error
+            assert r["dup_extra_state_bytes"] > 0, r
+        assert res["delayed"]["dup_amax_seen"] and not res["tensorwise"]["dup_amax_seen"]
+
 
 @pytest.mark.parametrize("settings,expected", [
     ({"fp8": "hybrid", "fp8_recipe": "blockwise"}, None),

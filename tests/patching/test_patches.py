@@ -510,6 +510,19 @@ class TestCudaGraphs(PatchContract):
         assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+    def test_mla_rope_inside_a_capture_survives_the_runners_buffer_restore(self):
+        """core 0.18+'s CudaGraphRunner copies a layer's buffers back in place after its forward
+        capture; MLA's fused RoPE (Megatron's Triton kernels, run here by TRITON_INTERPRET=1) saved
+        YaRN's cos / sin cache, so the backward capture raised (seen on an H200 with core_v0.19.0,
+        bf16 and fp8). Megatron's functions as they are reproduce the error; the cuda backend's
+        wrapper (copies of cos / sin inside a capture) gives the same values as an eager run."""
+        pytest.importorskip("triton")
+        proc = run_python([os.path.join(os.path.dirname(CONSUMERS), "mla_graph_buffers_check.py")], timeout=900)
+        line = next(l for l in proc.stdout.splitlines() if l.startswith("MLA-GRAPH-JSON:"))
+        res = json.loads(line[len("MLA-GRAPH-JSON:"):])
+        assert "modified by an inplace operation" in (res["megatron_error"] or ""), res
+        assert res["ours_error"] is None and res["buffers"] == 2 and res["max_err"] == 0.0, res
+
     def test_full_iteration_wrapper_is_wrapped_and_passes_through(self):
         """--cuda-graph-scope full_iteration: training.py builds FullCudaGraphWrapper by the name it
         imported; the class's __call__ is ours, and an iteration that does not capture passes
