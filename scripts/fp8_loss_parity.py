@@ -26,9 +26,18 @@ def main(argv=None):
     ap.add_argument("--last", type=int, default=20)
     ap.add_argument("--tol", type=float, default=0.05)
     ap.add_argument("--out", required=True, help="path prefix: writes PREFIX.json and PREFIX.png")
+    ap.add_argument("--model", default="0.95B model", help="the plot title's model name")
+    ap.add_argument("--bf16-rerun", help="a second bf16 log of the same command: its mean |Δ| against "
+                                         "--bf16 is the run-to-run spread the fp8 figures compare with")
     a = ap.parse_args(argv)
     base = losses(a.bf16)
     result, ok = {"bf16": base, "last": a.last, "tol": a.tol, "fp8": {}}, True
+    if a.bf16_rerun:
+        again = losses(a.bf16_rerun)
+        tail = sorted(set(base) & set(again))[-a.last:]
+        spread = sum(abs(again[i] - base[i]) for i in tail) / len(tail)
+        result["bf16_rerun"] = {"losses": again, "mean_abs_diff_last": spread}
+        print(f"bf16 run to run: mean |dloss| over the last {len(tail)} = {spread:.4f}")
     for spec in a.fp8:
         label, path = spec.split("=", 1)
         cur = losses(path)
@@ -52,6 +61,11 @@ def main(argv=None):
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot(sorted(base), [base[i] for i in sorted(base)], label="bf16", lw=1.5)
+        if "bf16_rerun" in result:
+            r = result["bf16_rerun"]
+            xs = sorted(r["losses"])
+            ax.plot(xs, [r["losses"][i] for i in xs], label=f"bf16 again (mean |Δ| last {a.last}: "
+                                                            f"{r['mean_abs_diff_last']:.3f})", lw=1, ls="--")
         for label, r in result["fp8"].items():
             xs = sorted(r["losses"])
             ax.plot(xs, [r["losses"][i] for i in xs], label=f"fp8 {label} (mean |Δ| last {a.last}: "
@@ -60,7 +74,7 @@ def main(argv=None):
         ax.set_ylabel("lm loss")
         ax.set_yscale("log")
         ax.legend()
-        ax.set_title("0.95B model, fp8 vs bf16, same data and initial weights")
+        ax.set_title(f"{a.model}:\nfp8 vs bf16, same data and initial weights", fontsize=10)
         fig.tight_layout()
         fig.savefig(a.out + ".png", dpi=110)
     except ImportError:

@@ -300,6 +300,34 @@ def test_fp8_graphed_and_eager_loss_curves_match(tmp_path, recipe):
     assert {"cast, or cached by the graph's flag", "cached (later micro-batch)"} <= casts, casts
 
 
+MLA = ["--multi-latent-attention", "--q-lora-rank", "256", "--kv-lora-rank", "128", "--qk-head-dim", "64",
+       "--qk-pos-emb-head-dim", "32", "--v-head-dim", "64", "--qk-layernorm", "--rotary-scaling-factor", "40",
+       "--mscale", "1.0", "--mscale-all-dim", "1.0"]
+
+
+@e2e
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_mla_graphed_and_eager_loss_curves_match(tmp_path, fp8):
+    """Multi-latent attention (Megatron's fused YaRN RoPE) inside the layer graphs that auto turns
+    on: core 0.18+'s runner copies a layer's buffers back after its forward capture, which broke
+    the backward capture of MLA's RoPE (patches/cuda_graphs gives it copies of cos / sin); under
+    fp8 the down projections' fp8 GEMMs are captured too. Same curve as eager."""
+    args = ["--attention-dropout", "0", "--hidden-dropout", "0", *MLA]
+    if fp8:
+        _fp8_gpu()
+        args += ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
+    eager, _ = _pretrain(tmp_path, "mla_eager", 1, args + EAGER)
+    graphed, rep = _pretrain(tmp_path, "mla_graphed", 1, args)
+    _assert_same_curve(eager, graphed)
+    graphs = rep["cuda_graphs"]
+    assert graphs and graphs[0]["graphs"] == 2 * 4, graphs
+    assert not [o for o in rep["ops"] if o["fallback_reason"]], rep["ops"]
+    copies = sum(o["calls"] for o in rep["ops"] if o["op"] == "mla_rope_capture")
+    assert copies == (2 * 4 if _checkout_version() >= (0, 18) else 0), rep["ops"]   # q and kv, 4 layers
+    if fp8:
+        assert "fp8_linear" in " ".join(graphs[0]["captured_ops"]), graphs
+
+
 @e2e
 def test_fp8_full_iteration_graph_and_eager_loss_curves_match(tmp_path):
     _fp8_gpu()
