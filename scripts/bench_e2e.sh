@@ -88,12 +88,12 @@ case $PRESET in  # model shapes; every preset keeps Megatron's default dropout u
 esac
 MODEL+=("${COMMON[@]}")
 echo "$PRESET" > "$OUTDIR/preset.txt"
-read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
+read -r -d "" -a EXTRA <<< "${EXTRA_ARGS:-}" || true   # every line (a plain read stops at the first newline)
 MODEL+=("${EXTRA[@]}")
 STOCK_FLAGS=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm
              --no-masked-softmax-fusion --no-gradient-accumulation-fusion)
 FULL_GRAPH=(--cuda-graph-impl local --cuda-graph-scope full_iteration --no-check-for-nan-in-loss-and-grad)
-read -r -a FP8_EXTRA <<< "${FP8_ARGS:-}"
+read -r -d "" -a FP8_EXTRA <<< "${FP8_ARGS:-}" || true   # every line (a plain read stops at the first newline)
 FP8=(--fp8-format "${FP8_FORMAT:-hybrid}" --fp8-recipe "${FP8_RECIPE:-tensorwise}" "${FP8_EXTRA[@]}")
 if command -v megatron-adapt-run >/dev/null; then ADAPT=(megatron-adapt-run); else ADAPT=(python3 -m megatron_adapt.launcher); fi
 TORCHRUN=(python3 -m torch.distributed.run --nproc-per-node "${NPROC:-1}" --master-port "${MASTER_PORT:-29561}")

@@ -53,7 +53,7 @@ MODEL=(
     --log-interval 1 --log-throughput --eval-iters 0 --eval-interval 100000
     --expert-model-parallel-size "$EP"
 )
-read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
+read -r -d "" -a EXTRA <<< "${EXTRA_ARGS:-}" || true   # every line (a plain read stops at the first newline)
 MODEL+=("${EXTRA[@]}")
 STOCK_FLAGS=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm
              --no-masked-softmax-fusion --no-gradient-accumulation-fusion)

@@ -30,7 +30,7 @@ MODEL=(
     --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --init-method-std 0.02
     --log-interval 1 --eval-iters 0 --eval-interval 100000
 )
-read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
+read -r -d "" -a EXTRA <<< "${EXTRA_ARGS:-}" || true   # every line (a plain read stops at the first newline)
 MODEL+=("${EXTRA[@]}")
 if command -v megatron-adapt-run >/dev/null; then ADAPT=(megatron-adapt-run); else ADAPT=(python3 -m megatron_adapt.launcher); fi
 
