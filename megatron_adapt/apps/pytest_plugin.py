@@ -386,6 +386,12 @@ SKIPS: list[Skip] = [
     Skip(UT + "rl/test_rl_utils.py::TestRLUtils::test_optimizer_offload[[]*", "cuda",
          "checks that the optimizer state moves from the GPU to host memory and back (asserts 'cuda' in its "
          "devices first)", backends=NOT_GPU),
+    Skip(UT + "rl/test_rl_utils.py::TestRLUtils::test_prepare_data_for_update[[]tp?-pp[248]]", "cuda",
+         "relies on NCCL's point-to-point semantics: its MockModel returns (2, 4, 754) fp32 logits on every "
+         "pipeline stage, so the first stage sends 24,128 bytes, while the next stage posts a receive of "
+         "(seq 4, micro-batch 2, hidden_size 0) elements (the mock's TransformerConfig sets no hidden size). "
+         "NCCL completes a receive smaller than its send without an error (NVIDIA/nccl#1938); gloo aborts "
+         "('Received data size doesn't match expected size. 24128 vs 0')", backends=NOT_GPU),
     Skip(UT + "rl/test_rl_utils.py::TestRLUtils::test_get_logprobs_cuda_graphs[[]*", "cuda",
          "captures the logprob forward in CUDA graphs (cuda_graph_impl='local')", backends=NOT_GPU,
          versions=">=0.17.0,<0.20.0"),
