@@ -13,6 +13,7 @@ against an fp32 MLA written out in tests/patching (test_patches.py). Needs MEGAT
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -38,15 +39,16 @@ MLA_PATCHES = ("megatron.core.transformer.multi_latent_attention:TELinear",
 
 
 def pretrain(args, tmp, name, iters=10):
-    """moe.pretrain without its MoE flags: this file's MoE configuration instead."""
-    saved, moe.MOE = moe.MOE, DEEPSEEK_MOE
-    try:
-        return moe.pretrain([*MLA, *args], tmp, name, iters=iters)
-    finally:
-        moe.MOE = saved
+    """moe.pretrain with this file's MoE configuration in place of its MoE flags."""
+    return moe.pretrain([*MLA, *args], tmp, name, iters=iters, moe=DEEPSEEK_MOE)
 
 
 def assert_mla_ran(run):
+    # the DeepSeek-style MoE configuration reached Megatron (Megatron prints its arguments)
+    for name, value in (("num_experts", "4"), ("moe_router_score_function", "sigmoid"),
+                        ("moe_router_enable_expert_bias", "True"), ("moe_layer_freq", "[0, 1]"),
+                        ("multi_latent_attention", "True")):
+        assert re.search(rf"^\s*{name} \.+ {re.escape(value)}$", run.out, re.M), (name, value)
     base.assert_patched(run, base.REQUIRED_PATCHES + MLA_PATCHES)
     for op in ("attention", "rope_cos_sin", "grouped_gemm"):
         assert op in run.ops and run.ops[op]["calls"] > 0, (op, run.ops)
