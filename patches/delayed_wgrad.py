@@ -35,6 +35,15 @@ def delayed(config) -> bool:
     return bool(getattr(config, "delay_wgrad_compute", False))
 
 
+def refuse_with_fp8(config, what: str) -> None:
+    """delay_wgrad_compute together with fp8 / fp4 on a linear: refused where it is built."""
+    if getattr(config, "fp8", None) or getattr(config, "fp4", None):
+        from megatron_adapt.errors import UnsupportedFeatureError
+        raise UnsupportedFeatureError(
+            f"delay_wgrad_compute with fp8/fp4 ({what}): megatron-adapt's fp8 linears compute weight "
+            "gradients in the backward. Drop --delay-wgrad-compute or fp8.")
+
+
 class DelayedWgradMixin:
     """What a module needs for Megatron's delayed-wgrad protocol; `_wgrad_weights()` names its
     weights, `_wgrad_of(entry)` turns a stashed entry into one gradient per weight."""
@@ -211,11 +220,7 @@ def delayed_wgrad_variant(base, outer=None):
             config = kwargs.get("config")
             if not delayed(config):
                 return outer(*args, **kwargs)
-            if getattr(config, "fp8", None) or getattr(config, "fp4", None):
-                from megatron_adapt.errors import UnsupportedFeatureError
-                raise UnsupportedFeatureError(
-                    f"delay_wgrad_compute with fp8/fp4 ({base.__name__}): megatron-adapt's fp8 linears "
-                    "compute weight gradients in the backward. Drop --delay-wgrad-compute or fp8.")
+            refuse_with_fp8(config, base.__name__)
             return super().__new__(cls)
 
         def __init__(self, *args, **kwargs):

@@ -248,7 +248,8 @@ def _build_duplicated_linear():
     from megatron.core.tensor_parallel import layers, random
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-    from megatron_adapt.patches.delayed_wgrad import DelayedWgradLinear, DelayedWgradLinearMixin, delayed
+    from megatron_adapt.patches.delayed_wgrad import (DelayedWgradLinear, DelayedWgradLinearMixin, delayed,
+                                                      refuse_with_fp8)
 
     class AdaptDuplicatedLinear(DelayedWgradLinearMixin, torch.nn.Module):
         """A linear replicated on every tensor-parallel rank: TELinear's constructor arguments,
@@ -301,11 +302,7 @@ def _build_duplicated_linear():
                 p.sequence_parallel = bool(config.sequence_parallel)
                 p.tensor_model_parallel = False
             if delayed(config):  # the weight gradient in backward_dw() (patches/delayed_wgrad)
-                if getattr(config, "fp8", None) or getattr(config, "fp4", None):
-                    from megatron_adapt.errors import UnsupportedFeatureError
-                    raise UnsupportedFeatureError(
-                        "delay_wgrad_compute with fp8/fp4 (duplicated linear): megatron-adapt's fp8 "
-                        "linears compute weight gradients in the backward. Drop --delay-wgrad-compute or fp8.")
+                refuse_with_fp8(config, "duplicated linear")
                 self._init_delayed_wgrad()
 
         def forward(self, x):
