@@ -402,7 +402,7 @@ def build_mla_rope_cache_copies(backend, original):
         bound = signature.bind(*args, **kwargs)
         for name in ("cos", "sin"):
             bound.arguments[name] = bound.arguments[name].clone()
-        report.ran("mla_rope_capture", "cos / sin copied inside the capture (core 0.18+ restores layer buffers in place)")
+        report.ran("mla_rope_capture", "cuda.cos_sin_copies (inside a capture: core 0.18+ restores layer buffers in place)")
         return wrapped(*bound.args, **bound.kwargs)
     return call
 

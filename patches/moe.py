@@ -43,6 +43,7 @@ TEColumnParallelGroupedLinear / TERowParallelGroupedLinear constructor (0.15's T
 The `transformer_engine` package is not faked: moe_utils.HAVE_TE stays False. See docs/moe.md.
 """
 import inspect
+import sys
 import types
 
 import torch
@@ -200,6 +201,33 @@ class _GroupedWgradIntoMainGrad(torch.autograd.Function):
         return (dx, None, None, *_main_grad_dummies(weights, stacked))
 
 
+class _ExpertWgradIntoMainGrad(torch.autograd.Function):
+    """Identity on an fp8 grouped GEMM's output y, for `--no-fp8-wgrad`: its backward adds each
+    expert's bf16 weight gradient dy_e^T x_e into that expert's fp32 `main_grad` with the backend's
+    `wgrad_accumulate` (cuBLAS beta = 1, as _GroupedWgradIntoMainGrad), and passes dy on to the fp8
+    GEMM's own backward (dgrad only: it got the weights detached). The stacked alternative writes a
+    bf16 dW and adds it to every main_grad in a second pass: 36 ms of the MoE bench's fp8 step on
+    an H200 (docs/fp8.md)."""
+
+    @staticmethod
+    def forward(ctx, y, x, splits, wgrad, *weights):
+        ctx.save_for_backward(x)
+        ctx.splits, ctx.wgrad, ctx.weights = splits, wgrad, weights
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        weights, ctx.weights = ctx.weights, None
+        dy_c, r0 = dy.contiguous(), 0
+        for w, n in zip(weights, ctx.splits):
+            if n:
+                ctx.wgrad(x[r0:r0 + n], dy_c[r0:r0 + n], w.main_grad)
+            r0 += n
+        return (dy, None, None, None, *_main_grad_dummies(weights, weights[0].new_empty((len(weights),
+                                                                                          *weights[0].shape))))
+
+
 def _host_splits(m_splits):
     """The experts' row counts as Python ints when the host has them (a list, or a CPU tensor as
     Megatron's dispatchers give them), else None (sizes on the device: reading them would sync)."""
@@ -310,10 +338,15 @@ def _grouped_linear_classes(backend):
                                                     *weights)
             else:
                 recipe = active_recipe() if self._fp8_gemm is not None else None
-                splits = _host_splits(m_splits) if fuse and recipe is None else None
-                if splits is not None and any(w.requires_grad for w in weights):
+                splits = (_host_splits(m_splits) if fuse and (recipe is None or not recipe.wgrad)
+                          and any(w.requires_grad for w in weights) else None)
+                if splits is not None and recipe is None:
                     out = _GroupedWgradIntoMainGrad.apply(x, splits, (grouped_gemm, wgrad_accumulate),
                                                           *weights)
+                elif splits is not None:   # fp8, --no-fp8-wgrad: fp8 forward / dgrad, bf16 wgrad
+                    stacked = torch.stack([w.detach() for w in weights])
+                    out = _ExpertWgradIntoMainGrad.apply(self._fp8_gemm(x, stacked, m_splits, recipe),
+                                                         x.detach(), splits, wgrad_accumulate, *weights)
                 else:
                     stacked = _StackExpertWeights.apply(fuse, *weights)
                     out = (grouped_gemm(x, stacked, m_splits, True) if recipe is None
@@ -398,6 +431,13 @@ def build_grouped_mlp_modules(backend, original):
     return grouped_mlp_modules
 
 
+def _upcycling_run() -> bool:
+    """megatron.training's `--moe-use-upcycling` is set: upcycling_utils converts a dense MLP into
+    SequentialMLP or TEGroupedMLP experts only (TypeError on the legacy GroupedMLP)."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    return bool(getattr(getattr(global_vars, "_GLOBAL_ARGS", None), "moe_use_upcycling", False))
+
+
 def grouped_experts_class(backend):
     """core_v0.15-0.16: the experts class `--moe-grouped-gemm` builds (see build_grouped_mlp_modules_legacy)."""
     from megatron.core.transformer.mlp import MLPSubmodules
@@ -406,14 +446,16 @@ def grouped_experts_class(backend):
     column, row = grouped_linear_classes(backend)
 
     class AdaptGroupedExperts:
-        """With config.add_bias_linear, config.fp8 or config.moe_latent_size: TEGroupedMLP on the
-        backend's grouped linears (TE's module tree, parameter names and checkpoint layout; biases,
-        fp8 and latent-sized experts served; the legacy GroupedMLP has none); otherwise Megatron's GroupedMLP
-        (one [E*in, out] weight per linear, its forward on the backend's grouped_gemm). The spec is
-        built before the config exists, so the choice is made here, at construction."""
+        """With config.add_bias_linear, config.fp8 or config.moe_latent_size, or under
+        `--moe-use-upcycling`: TEGroupedMLP on the backend's grouped linears (TE's module tree,
+        parameter names and checkpoint layout; biases, fp8, latent-sized experts and upcycling served;
+        the legacy GroupedMLP has none); otherwise Megatron's GroupedMLP (one [E*in, out] weight per
+        linear, its forward on the backend's grouped_gemm). The spec is built before the config
+        exists, so the choice is made here, at construction."""
 
         def __new__(cls, num_local_experts, config, submodules=None, pg_collection=None):
-            if config.add_bias_linear or config.fp8 or getattr(config, "moe_latent_size", None):
+            if (config.add_bias_linear or config.fp8 or getattr(config, "moe_latent_size", None)
+                    or _upcycling_run()):
                 act = getattr(submodules, "activation_func", None)
                 return TEGroupedMLP(num_local_experts, config,
                                     MLPSubmodules(linear_fc1=column, linear_fc2=row, activation_func=act),
@@ -421,7 +463,7 @@ def grouped_experts_class(backend):
             return GroupedMLP(num_local_experts, config, pg_collection=pg_collection)
 
     AdaptGroupedExperts.__megatron_adapt_impl__ = (
-        f"{backend.name}.grouped_gemm (bias, fp8, latent: TEGroupedMLP on grouped linears; else GroupedMLP)")
+        f"{backend.name}.grouped_gemm (bias, fp8, latent, upcycling: TEGroupedMLP on grouped linears; else GroupedMLP)")
     return AdaptGroupedExperts
 
 

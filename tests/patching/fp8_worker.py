@@ -96,13 +96,17 @@ def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-def train():
-    dist.init_process_group("nccl")  # the device layer maps it to gloo
+def start():
+    """One rank (the device layer maps nccl to gloo) and the data every scenario trains on."""
+    dist.init_process_group("nccl")
     parallel_state.initialize_model_parallel(1, 1)
-    torch.manual_seed(1234)   # the same data every run
-    tokens = torch.randint(0, 128, (2, 32))
-    pos = torch.arange(32).unsqueeze(0).expand(2, -1)
-    labels = torch.randint(0, 128, (2, 32))
+    torch.manual_seed(1234)
+    tokens, labels = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
+    return tokens, torch.arange(32).unsqueeze(0).expand(2, -1), labels
+
+
+def train():
+    tokens, pos, labels = start()
     ref, _ = model()
     ref_loss, ref_grads = step(ref, tokens, pos, labels, False)
     out["plain_class"] = type(ref.decoder.layers[0].self_attention.linear_qkv).__name__
@@ -156,17 +160,12 @@ def train():
 def moe():
     """MoE experts in fp8: TEGroupedMLP on megatron-adapt's grouped linears, Megatron's fp8 padding
     (Fp8Padding / Fp8Unpadding served without TE) and the backend's fp8_grouped_gemm."""
-    dist.init_process_group("nccl")
-    parallel_state.initialize_model_parallel(1, 1)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    tokens, pos, labels = start()
     moe_kw = dict(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True, add_bias_linear=False,
                   moe_token_dispatcher_type="alltoall", moe_ffn_hidden_size=128, gated_linear_unit=True,
                   activation_func=torch.nn.functional.silu, moe_router_load_balancing_type="none")
-    torch.manual_seed(1234)
-    tokens = torch.randint(0, 128, (2, 32))
-    pos = torch.arange(32).unsqueeze(0).expand(2, -1)
-    labels = torch.randint(0, 128, (2, 32))
 
     def build(**kw):
         torch.manual_seed(0)
@@ -181,16 +180,22 @@ def moe():
     ref.config.fp8 = None
     ref_loss, ref_grads = step(ref, tokens, pos, labels, False)
     out["moe_ref_calls"] = sum(report.op_counts().get("fp8_grouped_gemm", {}).values())
-    for recipe, main_grad in (("tensorwise", False), ("delayed", True)):
-        m = build(fp8="hybrid", fp8_recipe=recipe, gradient_accumulation_fusion=main_grad)
+    # --no-fp8-wgrad with main_grad fusion: the experts' bf16 wgrad added into main_grad by the
+    # backend's wgrad_accumulate, one per expert and linear
+    for name, recipe, main_grad, fp8_wgrad in (("tensorwise", "tensorwise", False, True),
+                                               ("delayed", "delayed", True, True),
+                                               ("no_fp8_wgrad", "delayed", True, False)):
+        m = build(fp8="hybrid", fp8_recipe=recipe, gradient_accumulation_fusion=main_grad, fp8_wgrad=fp8_wgrad)
         m.load_state_dict(ref.state_dict(), strict=False)
         before = dict(report.op_counts().get("fp8_grouped_gemm", {}))
+        accumulates = sum(report.op_counts().get("wgrad_accumulate", {}).values())
         loss, grads = step(m, tokens, pos, labels, main_grad)
         after = report.op_counts().get("fp8_grouped_gemm", {})
         experts = m.decoder.layers[0].mlp.experts
         expert_w = [n for n in ref_grads if "experts" in n and "weight" in n]
-        out[f"moe_{recipe}"] = {
+        out[f"moe_{name}"] = {
             "experts": type(experts).__name__,
+            "wgrad_accumulate_calls": sum(report.op_counts().get("wgrad_accumulate", {}).values()) - accumulates,
             "linears": sorted({type(experts.linear_fc1).__name__, type(experts.linear_fc2).__name__}),
             "padding": type(experts.quantization_padding).__module__ if hasattr(experts, "quantization_padding")
                        else type(getattr(experts, "fp8_padding", None)).__module__,
@@ -300,11 +305,7 @@ def swiglu():
     """Megatron's MLP with bias_swiglu_impl (delayed scaling, 3 layers, 2 steps): without the
     backend's fp8_swiglu op (SwiGLU, then fc2's own cast), then with it lent as the cuda backend
     has it (SwiGLU computed inside fc2's cast and its backward inside fc1's)."""
-    dist.init_process_group("nccl")
-    parallel_state.initialize_model_parallel(1, 1)
-    torch.manual_seed(1234)
-    tokens, labels = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
-    pos = torch.arange(32).unsqueeze(0).expand(2, -1)
+    tokens, pos, labels = start()
     kw = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4,
               activation_func=torch.nn.functional.silu, bias_activation_fusion=True)
     runs = {}
@@ -342,13 +343,9 @@ def recompute():
     with the same scales, so the losses and the forward scaling state match a run without it
     exactly; gradients too, but for the order in which autograd sums a residual's two gradients,
     which Megatron's MLP recompute changes in fp32 rounding with fp8 off as well."""
-    dist.init_process_group("nccl")
-    parallel_state.initialize_model_parallel(1, 1)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    torch.manual_seed(1234)
-    tokens, labels = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
-    pos = torch.arange(32).unsqueeze(0).expand(2, -1)
+    tokens, pos, labels = start()
     moe_kw = dict(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True, moe_ffn_hidden_size=128,
                   moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
                   activation_func=torch.nn.functional.silu)
@@ -409,8 +406,7 @@ def duplicated():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    dist.init_process_group("nccl")
-    parallel_state.initialize_model_parallel(1, 1)
+    tokens, pos, labels = start()
     kw = dict(BASE, multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16,
               qk_pos_emb_head_dim=16, v_head_dim=16, qk_layernorm=True, rope_type="rope",
               num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True, moe_ffn_hidden_size=64,
@@ -419,9 +415,6 @@ def duplicated():
     latent = "moe_latent_size" in TransformerConfig.__dataclass_fields__   # core 0.16+
     if latent:
         kw["moe_latent_size"] = 32
-    torch.manual_seed(1234)
-    tokens, labels = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
-    pos = torch.arange(32).unsqueeze(0).expand(2, -1)
 
     def build(**extra):
         torch.manual_seed(0)

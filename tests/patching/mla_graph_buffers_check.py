@@ -35,16 +35,22 @@ megatron = (kernels.fused_apply_mla_rope_for_q, kernels.fused_apply_mla_rope_for
 wrapped = tuple(wrapt.FunctionWrapper(f, build_mla_rope_cache_copies(None, f)) for f in megatron)
 
 
-def capture_then_backward(fns):
-    """The forward 'captured', the layer's buffers restored in place as the runner does, the backward."""
+def yarn_inputs():
+    """A YaRN rotary embedding, its cached cos / sin, and the same q, kv and k_pe every call."""
     rope = YarnRotaryEmbedding(dp, rotary_base=10000, scaling_factor=4.0, original_max_position_embeddings=8,
                                use_cpu_initialization=True)
     cos, sin = rope.get_cached_cos_sin(s, dtype=torch.float32)
-    backup = [buf.clone() for buf in rope.buffers()]
     torch.manual_seed(0)
     q = torch.randn(s, b, n, dq + dp, requires_grad=True)
     kv = torch.randn(s, b, n, dk + dv, requires_grad=True)
     kpe = torch.randn(s, b, 1, dp, requires_grad=True)
+    return rope, cos, sin, q, kv, kpe
+
+
+def capture_then_backward(fns):
+    """The forward 'captured', the layer's buffers restored in place as the runner does, the backward."""
+    rope, cos, sin, q, kv, kpe = yarn_inputs()
+    backup = [buf.clone() for buf in rope.buffers()]
     with mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True):
         yq = fns[0](q.clone(), cos, sin, dq, dp)
         k, v = fns[1](kv, kpe, cos, sin, dp, dk, dv)
@@ -61,13 +67,7 @@ plain, ours = capture_then_backward(megatron), capture_then_backward(wrapped)
 out = {"megatron_error": plain.get("error"), "ours_error": ours.get("error"), "buffers": ours.get("buffers")}
 if "error" not in ours:
     # the same values as Megatron's functions outside a capture (where they need no copy)
-    rope = YarnRotaryEmbedding(dp, rotary_base=10000, scaling_factor=4.0, original_max_position_embeddings=8,
-                               use_cpu_initialization=True)
-    cos, sin = rope.get_cached_cos_sin(s, dtype=torch.float32)
-    torch.manual_seed(0)
-    q = torch.randn(s, b, n, dq + dp, requires_grad=True)
-    kv = torch.randn(s, b, n, dk + dv, requires_grad=True)
-    kpe = torch.randn(s, b, 1, dp, requires_grad=True)
+    _, cos, sin, q, kv, kpe = yarn_inputs()
     yq = megatron[0](q.clone(), cos, sin, dq, dp)
     k, v = megatron[1](kv, kpe, cos, sin, dp, dk, dv)
     grads = torch.autograd.grad((yq, k, v), (q, kv, kpe), [torch.ones_like(t) for t in (yq, k, v)])

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import tempfile
+import types
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -247,6 +248,33 @@ def checkpoint(grouped, sequential):
     return out
 
 
+def upcycled(cfg):
+    """A dense MLP (no bias) upcycled by Megatron's upcycling_utils into the experts
+    the TE spec builds for `cfg` (granularity 1: every expert a copy of the dense MLP, and the top-2
+    probabilities sum to 1, so the layer's output is the dense MLP's)."""
+    from megatron.core.transformer.moe import upcycling_utils
+    from megatron.core.transformer.mlp import MLP
+
+    assert cfg.moe_router_topk == 2 and not cfg.moe_router_pre_softmax
+    moe = moe_layer(cfg, te_spec())
+    dense_spec = get_gpt_layer_local_spec().submodules.mlp   # no norm fused into fc1: the MoE layer has none
+    dense = build_module(dense_spec, config=dataclasses.replace(cfg, num_moe_experts=None, moe_ffn_hidden_size=None,
+                                                                ffn_hidden_size=cfg.moe_ffn_hidden_size))
+    assert isinstance(dense, MLP), type(dense)
+    class Holder(torch.nn.Module):   # what upcycling_utils looks for: a submodule named "mlp"
+        def __init__(self, mlp):
+            super().__init__()
+            self.mlp = mlp
+
+    state = upcycling_utils.upcycle_state_dict([Holder(moe)], [Holder(dense)])["model"]
+    Holder(moe).load_state_dict(state, strict=True)
+    hidden = torch.randn(8, 2, cfg.hidden_size)
+    with torch.no_grad():
+        want, got = dense(hidden)[0], moe(hidden)[0]
+    return {"experts": type(moe.experts).__name__, "out_norm": float(want.norm()),
+            "rel_diff": float((want - got).abs().max() / want.abs().max())}
+
+
 def main():
     """Under __main__ only: dist_checkpointing.save starts a process that imports this file."""
     import megatron_adapt
@@ -286,6 +314,18 @@ def main():
     plain_cfg = config(add_bias_linear=False)
     plain = moe_layer(plain_cfg, te_spec())
     results["no_bias"] = {"experts": type(plain.experts).__name__, **legacy_matches_sequential(plain, plain_cfg)}
+    # --moe-use-upcycling (Megatron's global args): TEGroupedMLP, which upcycling_utils converts into
+    # (it refuses the legacy GroupedMLP); the dense MLP's weights upcycled, the layer matches it
+    try:
+        from megatron.training import global_vars
+    except ImportError:   # Megatron-LM's training package is not on PyPI: its module, as set_args leaves it
+        global_vars = sys.modules.setdefault("megatron.training.global_vars",
+                                             types.ModuleType("megatron.training.global_vars"))
+    global_vars._GLOBAL_ARGS = types.SimpleNamespace(moe_use_upcycling=True)
+    try:
+        results["upcycling"] = upcycled(plain_cfg)
+    finally:
+        global_vars._GLOBAL_ARGS = None
     # --moe-use-legacy-grouped-gemm: GroupedMLP, which refuses a bias (its own assertion, with TE too)
     legacy_cfg = config(add_bias_linear=False, moe_use_legacy_grouped_gemm=True)
     legacy = moe_layer(legacy_cfg, te_spec(moe_use_legacy_grouped_gemm=True))

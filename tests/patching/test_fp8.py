@@ -134,6 +134,14 @@ class TestFp8ThroughMegatron:
             assert r["calls"] == {f"cpu.scaled_grouped_mm(e4m3, rowwise; recipe {recipe} read as rowwise)": 6}, r
             assert r["loss_rel"] < 2e-3, r
             assert r["expert_grads"] == 24 and 1e-3 < r["expert_grad_rel_max"] < 0.35, r
+        # --no-fp8-wgrad with main_grad fusion: fp8 forward and dgrad, the experts' bf16 weight
+        # gradients added straight into main_grad (3 layers x 2 linears x 4 experts that got rows)
+        r = res["moe_no_fp8_wgrad"]
+        assert r["calls"] == {"cpu.scaled_grouped_mm(e4m3, rowwise; recipe delayed read as rowwise)": 6}, r
+        assert 0 < r["wgrad_accumulate_calls"] - res["moe_delayed"]["wgrad_accumulate_calls"] <= 24, r
+        assert r["loss_rel"] < 2e-3, r
+        # closer to the reference than the fp8 wgrad: only dy carries fp8 error
+        assert r["expert_grad_rel_max"] < res["moe_delayed"]["expert_grad_rel_max"], (r, res["moe_delayed"])
 
     def test_duplicated_linears_of_mla_and_latent_moe_in_fp8(self):
         """The linears TE's spec builds as TELinear(parallel_mode="duplicated") -- MLA's q / kv down

@@ -67,6 +67,15 @@ def test_without_bias_grouped_mlp_stays_and_matches_sequential_mlp():
     assert max(r["out_rel_diff"], r["input_grad_rel_diff"], r["weight_grad_rel_diff"]) < 1e-5, r
 
 
+def test_upcycling_builds_te_grouped_mlp_and_matches_the_dense_mlp():
+    """--moe-use-upcycling without biases: upcycling_utils converts into SequentialMLP or TEGroupedMLP
+    only (TypeError on the legacy GroupedMLP, which Megatron's unit test test_upcycling_TE hit on
+    core_v0.16.1), so the experts are TEGroupedMLP; the upcycled layer gives the dense MLP's output."""
+    r = result()["upcycling"]
+    assert r["experts"] == "TEGroupedMLP", r
+    assert r["out_norm"] > 0.0 and r["rel_diff"] < 1e-5, r
+
+
 def test_legacy_flag_builds_grouped_mlp_which_refuses_bias():
     r = result()["legacy_flag"]
     assert r["experts"] == "GroupedMLP", r   # --moe-use-legacy-grouped-gemm, as with TE

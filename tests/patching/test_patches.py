@@ -523,6 +523,52 @@ class TestCudaGraphs(PatchContract):
         assert "modified by an inplace operation" in (res["megatron_error"] or ""), res
         assert res["ours_error"] is None and res["buffers"] == 2 and res["max_err"] == 0.0, res
 
+    def test_mla_rope_capture_wrapper_is_chosen_on_cuda_from_core_0_18_only(self):
+        """The real specs of MLA's two fused-RoPE functions: on cuda from core 0.18 (the runner's
+        buffer restore came then) area cuda_graphs wraps them; on cuda before 0.18 and on cpu / npu at
+        every release, area rope's replacement is the spec chosen (and on cuda it is recorded as not
+        needed for that backend)."""
+        from packaging.version import Version
+
+        from megatron_adapt.applier import select
+        from megatron_adapt.core import all_specs
+        from megatron_adapt.patches.cuda_graphs import build_mla_rope_cache_copies
+
+        specs = all_specs()
+        for part in ("q", "kv"):
+            target = f"megatron.core.transformer.multi_latent_attention:fused_apply_mla_rope_for_{part}"
+            for version in ("0.15.0", "0.16.1", "0.17.1", "0.18.2", "0.19.2"):
+                for backend in ("cpu", "cuda", "npu"):
+                    (spec,) = [s for s in select(specs, Version(version), backend) if s.target == target]
+                    wraps = backend == "cuda" and Version(version) >= Version("0.18.0")
+                    assert (spec.area, spec.build is build_mla_rope_cache_copies) == (
+                        ("cuda_graphs", True) if wraps else ("rope", False)), (part, version, backend, spec)
+
+    def test_mla_rope_capture_reports_in_the_backend_impl_form(self):
+        """Inside a capture the wrapper clones cos / sin and reports as `cuda.<impl>`; outside a
+        capture it is the original call and reports nothing."""
+        proc = run_python(
+            "from unittest import mock\n"
+            "import torch\n"
+            "from megatron_adapt import report\n"
+            "from megatron_adapt.patches.cuda_graphs import build_mla_rope_cache_copies\n"
+            "seen = []\n"
+            "def f(t, cos, sin, qk_head_dim, emb_dim):\n"
+            "    seen.append((cos.data_ptr(), sin.data_ptr()))\n"
+            "    return t\n"
+            "call = build_mla_rope_cache_copies(None, f)\n"
+            "cos, sin = torch.ones(4, 2), torch.zeros(4, 2)\n"
+            "with mock.patch.object(torch.cuda, 'is_current_stream_capturing', lambda: False):\n"
+            "    call(f, None, (torch.ones(1), cos, sin, 8, 8), {})\n"
+            "assert report.op_counts().get('mla_rope_capture') is None, report.op_counts()\n"
+            "with mock.patch.object(torch.cuda, 'is_current_stream_capturing', lambda: True):\n"
+            "    call(f, None, (torch.ones(1),), dict(cos=cos, sin=sin, qk_head_dim=8, emb_dim=8))\n"
+            "assert seen[0] == (cos.data_ptr(), sin.data_ptr()), seen\n"
+            "assert cos.data_ptr() not in seen[1] and sin.data_ptr() not in seen[1], seen\n"
+            "(impl,) = report.op_counts()['mla_rope_capture']\n"
+            "assert impl.startswith('cuda.'), impl\n")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
     def test_full_iteration_wrapper_is_wrapped_and_passes_through(self):
         """--cuda-graph-scope full_iteration: training.py builds FullCudaGraphWrapper by the name it
         imported; the class's __call__ is ours, and an iteration that does not capture passes
