@@ -140,8 +140,9 @@ class TestFp8ThroughMegatron:
         assert r["calls"] == {"cpu.scaled_grouped_mm(e4m3, rowwise; recipe delayed read as rowwise)": 6}, r
         assert 0 < r["wgrad_accumulate_calls"] - res["moe_delayed"]["wgrad_accumulate_calls"] <= 24, r
         assert r["loss_rel"] < 2e-3, r
-        # closer to the reference than the fp8 wgrad: only dy carries fp8 error
-        assert r["expert_grad_rel_max"] < res["moe_delayed"]["expert_grad_rel_max"], (r, res["moe_delayed"])
+        # in main_grad once (a second add would put them ~100 % off); within the fp8 error of the
+        # forward and dgrad, which dominates it here as it does with the fp8 wgrad (0.22 against 0.23)
+        assert r["expert_grads"] == 24 and 1e-3 < r["expert_grad_rel_max"] < 0.35, r
 
     def test_duplicated_linears_of_mla_and_latent_moe_in_fp8(self):
         """The linears TE's spec builds as TELinear(parallel_mode="duplicated") -- MLA's q / kv down
