@@ -172,11 +172,12 @@ SKIPS: list[Skip] = [
          "on cpu, granularity 2 within 0.078 (GELU), 0.020 (SwiGLU), 0.016 (squared ReLU)",
          backends=NOT_GPU),
     Skip(UT + "transformer/test_multi_token_prediction.py::TestMultiTokenPrediction::test_forward_backward[[]2-1-*",
-         "rounding", "compares the TP2 model's per-token losses with TP1's at rtol = atol = 1e-3; 8 experts top-2 with "
-         "the router in bf16 (SequentialMLP: the test turns grouped GEMM off without TE). On cpu one token's top-2 "
-         "flips between the two layouts (its loss 11.6148 against 11.6628; the others within 0.002); with "
-         "moe_router_dtype='fp32' in a copy of the test both cases pass",
-         backends=NOT_GPU, versions="<0.17.0"),
+         "rounding", "compares the TP2 model's per-token losses with TP1's at rtol = atol = 1e-3 in bf16, 8 experts "
+         "top-2 with the router in bf16 (SequentialMLP: the test turns grouped GEMM off without TE). On cpu one "
+         "token's top-2 flips between the two layouts (11.6148 against 11.6628; the others within 0.002), and with "
+         "moe_router_dtype='fp32' in a copy of the test both cases pass; on cuda (2 x H200) several tokens differ by "
+         "up to 0.016. core_v0.19.0 marks this test flaky_in_dev, which Megatron CI's marker deselects",
+         versions="<0.17.0"),
     Skip(UT + "transformer/moe/test_grouped_mlp.py::TestParallelGroupedMLP::test_weight_init_value_the_same", "cuda",
          "with use_cpu_initialization=False it expects the grouped and the sequential experts' weights, drawn "
          "under the expert RNG fork in different orders and sizes, to coincide: a property of CUDA's "
