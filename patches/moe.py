@@ -170,6 +170,16 @@ def _main_grad_dummies(weights, stacked_like):
     return grads
 
 
+def _wgrads_into_main_grads(wgrad, x, dy, weights, splits):
+    """Each expert's dy_e^T x_e added into its weight's fp32 main_grad by the backend's
+    wgrad_accumulate, over the rows the host split sizes give it (empty experts: nothing)."""
+    r0 = 0
+    for w, n in zip(weights, splits):
+        if n:
+            wgrad(x[r0:r0 + n], dy[r0:r0 + n], w.main_grad)
+        r0 += n
+
+
 class _GroupedWgradIntoMainGrad(torch.autograd.Function):
     """A bf16 grouped linear whose weight gradients go straight into the experts' `main_grad`:
     one backend `wgrad_accumulate` per expert (on cuda a GEMM that adds into the fp32 main_grad,
@@ -193,11 +203,7 @@ class _GroupedWgradIntoMainGrad(torch.autograd.Function):
         weights, ctx.weights = ctx.weights, None
         dy = dy.contiguous()
         dx = grouped(dy, stacked, ctx.splits, False) if ctx.needs_input_grad[0] else None
-        r0 = 0
-        for w, n in zip(weights, ctx.splits):
-            if n:
-                wgrad(x[r0:r0 + n], dy[r0:r0 + n], w.main_grad)
-            r0 += n
+        _wgrads_into_main_grads(wgrad, x, dy, weights, ctx.splits)
         return (dx, None, None, *_main_grad_dummies(weights, stacked))
 
 
@@ -219,11 +225,7 @@ class _ExpertWgradIntoMainGrad(torch.autograd.Function):
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         weights, ctx.weights = ctx.weights, None
-        dy_c, r0 = dy.contiguous(), 0
-        for w, n in zip(weights, ctx.splits):
-            if n:
-                ctx.wgrad(x[r0:r0 + n], dy_c[r0:r0 + n], w.main_grad)
-            r0 += n
+        _wgrads_into_main_grads(ctx.wgrad, x, dy.contiguous(), weights, ctx.splits)
         return (dy, None, None, None, *_main_grad_dummies(weights, weights[0].new_empty((len(weights),
                                                                                           *weights[0].shape))))
 
