@@ -439,6 +439,35 @@ def test_a_test_past_its_time_limit_fails_and_the_run_goes_on(tmp_path):
     assert proc.returncode == 1, proc.stdout[-3000:]
 
 
+def test_a_listed_slow_test_gets_its_own_longer_limit(tmp_path):
+    """SLOW raises the limit for the tests listed there (by their real node ids), on their backend only;
+    the run's limit still stops every other test."""
+    make_tree(tmp_path)
+    (tmp_path / "tests/unit_tests/transformer").mkdir()
+    (tmp_path / "tests/unit_tests/transformer/__init__.py").write_text("")
+    (tmp_path / "tests/unit_tests/transformer/test_transformer_block_custom_pgs.py").write_text(textwrap.dedent("""
+        import time
+        import pytest
+
+        class TestTransformerBlockWithProcessGroups:
+            @pytest.mark.parametrize("world_size, tp_size, cp_size, dp_size", [(2, 2, 1, 1), (1, 1, 1, 1)])
+            def test_params_and_grads_match_transformer_block(self, world_size, tp_size, cp_size, dp_size):
+                time.sleep(6)
+    """))
+    proc = run_pytest(tmp_path, "-p", "megatron_adapt.apps.pytest_plugin", "--megatron-adapt-test-timeout", "3",
+                      "--megatron-adapt-json", str(tmp_path / "out" / "rank{rank}.json"), "-k", "custom_pgs")
+    report = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    tests = {k.rsplit("[", 1)[1]: v for k, v in report["tests"].items() if "[" in k}
+    assert tests["2-2-1-1]"]["outcome"] == "passed", (tests, proc.stdout[-2000:])
+    assert tests["1-1-1-1]"]["outcome"] == "failed" and "time limit of 3 s" in tests["1-1-1-1]"]["message"], tests
+    name = ("tests/unit_tests/transformer/test_transformer_block_custom_pgs.py::TestTransformerBlockWithProcessGroups::"
+            "test_params_and_grads_match_transformer_block[2-1-2-1]")
+    assert pytest_plugin.time_limit(name, 150, "cpu") == 900
+    assert pytest_plugin.time_limit(name, 150, "cuda") == 150
+    assert pytest_plugin.time_limit(name, 0, "cpu") == 0
+    assert pytest_plugin.time_limit(name.replace("2-1-2-1", "8-2-2-2"), 150, "cpu") == 150
+
+
 def test_deselected_tests_are_recorded(tmp_path):
     """scripts/megatron_unit_tests.py passes Megatron CI's own selection (-m "not flaky_in_dev"); the
     tests it leaves out are listed in the JSON, not silently absent."""
