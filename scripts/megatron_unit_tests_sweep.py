@@ -287,7 +287,7 @@ def main(argv=None) -> int:
     r.add_argument("--out", required=True)
     r.add_argument("--deadline", type=float, default=3600, help="seconds from now")
     r.add_argument("--min-start", type=float, default=60, help="start no chunk with less time left")
-    r.add_argument("--run-timeout", type=int, default=1800)
+    r.add_argument("--run-timeout", type=int, default=3600)  # a chunk with SLOW tests (pytest_plugin) outlasts 1800 s
     r.add_argument("--test-timeout", type=float, default=150)
     r.add_argument("--files-per-run", type=int, default=6)
     r.add_argument("--gpus", type=int, default=None, help="default: every visible GPU")
