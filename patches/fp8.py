@@ -359,18 +359,7 @@ def fp8_variant(base, backend):
                                 weight_cache=self._weight_cache_for_this_call())
 
         def _weight_cache_for_this_call(self):
-            """The weight cache told whether this call casts (TE's is_first_microbatch logic): a
-            step's first micro-batch casts, later ones reuse; a CUDA-graph capture records a cast
-            that Megatron's replays switch by the skip flag it sets (Fp8GraphState)."""
-            first = self.is_first_microbatch
-            if first is None:
-                return None
-            self.is_first_microbatch = False
-            cache = self.fp8_weight_cache
-            flag = Fp8GraphState.skip_flag
-            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-            cache.skip = flag if (capturing and flag is not None) else not first
-            return cache
+            return weight_cache_for_this_call(self)
 
         # TE's checkpoint layout: the scaling state in the module's _extra_state
         def get_extra_state(self):
@@ -452,6 +441,22 @@ def te_checkpoint(forward_func, distribute_saved_activations, get_rng_state_trac
 
 
 # ---------------------------------------------------------------- fp8 in Megatron's local CUDA graphs
+def weight_cache_for_this_call(module):
+    """The module's fp8 weight cache, told whether this call casts (TE's is_first_microbatch logic,
+    which Megatron drives through set_is_first_microbatch): a step's first micro-batch casts, later
+    ones reuse; a CUDA-graph capture records a cast that Megatron's replays switch by the skip flag
+    it sets (Fp8GraphState). None where Megatron never marks the module (cast at every call)."""
+    first = module.is_first_microbatch
+    if first is None:
+        return None
+    module.is_first_microbatch = False
+    cache = module.fp8_weight_cache
+    flag = Fp8GraphState.skip_flag
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    cache.skip = flag if (capturing and flag is not None) else not first
+    return cache
+
+
 class Fp8GraphState:
     """The part of TE's FP8GlobalStateManager that Megatron's cuda_graphs.py calls, answered for
     megatron-adapt's fp8 linears. The recipe is never TE's DelayedScaling (`te` below), so Megatron's

@@ -256,7 +256,8 @@ def _grouped_linear_classes(backend):
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
     from megatron_adapt.patches.delayed_wgrad import DelayedWgradGroupedGemm, DelayedWgradGroupedMixin, delayed
-    from megatron_adapt.patches.fp8 import active_recipe
+    from megatron_adapt.backends.fp8_scaling import Fp8WeightCache
+    from megatron_adapt.patches.fp8 import active_recipe, weight_cache_for_this_call
 
     grouped_gemm, grouped_wgrad = backend.op("grouped_gemm"), backend.op("grouped_gemm_wgrad")
     wgrad_accumulate = backend.op("wgrad_accumulate")
@@ -294,6 +295,10 @@ def _grouped_linear_classes(backend):
                     raise NotImplementedError("fp8 expert GEMMs with --delay-wgrad-compute are not served "
                                               "(the delayed weight gradients run in bf16)")
                 self._fp8_gemm = backend.op("fp8_grouped_gemm")
+                # TE's fp8 weight cache across a step's micro-batches: Megatron's set_is_first_microbatch
+                # sets True at each step's first one (None: never marked, cast at every call)
+                self.is_first_microbatch = None
+                self.fp8_weight_cache = Fp8WeightCache()
             self.config, self.num_gemms = config, num_gemms
             if pg_collection is None:
                 pg_collection = ProcessGroupCollection.use_mpu_process_groups(
@@ -347,12 +352,13 @@ def _grouped_linear_classes(backend):
                                                           *weights)
                 elif splits is not None:   # fp8, --no-fp8-wgrad: fp8 forward / dgrad, bf16 wgrad
                     stacked = torch.stack([w.detach() for w in weights])
-                    out = _ExpertWgradIntoMainGrad.apply(self._fp8_gemm(x, stacked, m_splits, recipe),
-                                                         x.detach(), splits, wgrad_accumulate, *weights)
+                    out = _ExpertWgradIntoMainGrad.apply(
+                        self._fp8_gemm(x, stacked, m_splits, recipe, self._weight_cache(weights)),
+                        x.detach(), splits, wgrad_accumulate, *weights)
                 else:
                     stacked = _StackExpertWeights.apply(fuse, *weights)
                     out = (grouped_gemm(x, stacked, m_splits, True) if recipe is None
-                           else self._fp8_gemm(x, stacked, m_splits, recipe))
+                           else self._fp8_gemm(x, stacked, m_splits, recipe, self._weight_cache(weights)))
             if not self.use_bias:
                 return out, None
             biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
@@ -362,6 +368,17 @@ def _grouped_linear_classes(backend):
             # size read back (both would break a CUDA graph capture of the layer)
             splits = m_splits.tolist() if torch.is_tensor(m_splits) else m_splits
             return out + torch.cat([b.expand(int(n), b.shape[0]) for b, n in zip(biases, splits)]), None
+
+        def _weight_cache(self, weights):
+            """The fp8 weight cache for this call (weight_cache_for_this_call); a later micro-batch
+            casts again where an expert's weight changed in place since the cache was made."""
+            cache = weight_cache_for_this_call(self)
+            if cache is not None:
+                key = tuple((w.data_ptr(), w._version) for w in weights)
+                if cache.skip is True and cache.key != key:
+                    cache.skip = False
+                cache.key = key
+            return cache
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             """Per expert, as TE's grouped linears (and SequentialMLP): `weight{i}` is the global

@@ -549,8 +549,12 @@ if triton is not None:
         return tl.where(ok, FP8_MAX / tl.where(ok, amax, 1.0), 1.0)
 
     @triton.jit
-    def _rows_kernel(x_ptr, y_ptr, s_ptr, C, FP8_MAX: tl.constexpr, BC: tl.constexpr):
+    def _rows_kernel(x_ptr, y_ptr, s_ptr, skip_ptr, C, FP8_MAX: tl.constexpr, HAS_SKIP: tl.constexpr,
+                     BC: tl.constexpr):
         """One row of a contiguous [R, C]: its amax, then the cast with scale = FP8_MAX / amax."""
+        if HAS_SKIP:   # a cached expert weight, recorded in a CUDA graph: cast only where the flag is 0
+            if tl.load(skip_ptr) != 0:
+                return
         base = tl.program_id(0).to(tl.int64) * C
         acc = tl.zeros([BC], dtype=tl.float32)
         for c0 in range(0, C, BC):
@@ -565,10 +569,13 @@ if triton is not None:
         tl.store(s_ptr + tl.program_id(0), 1.0 / s)
 
     @triton.jit
-    def _rows_tile_kernel(x_ptr, y_ptr, s_ptr, R, C, FP8_MAX: tl.constexpr, BR: tl.constexpr,
-                          BC: tl.constexpr):
+    def _rows_tile_kernel(x_ptr, y_ptr, s_ptr, skip_ptr, R, C, FP8_MAX: tl.constexpr, HAS_SKIP: tl.constexpr,
+                          BR: tl.constexpr, BC: tl.constexpr):
         """BR whole rows (C <= BC) of a contiguous [R, C] in one read: each row's amax from the
         registers, then its cast with scale = FP8_MAX / amax."""
+        if HAS_SKIP:
+            if tl.load(skip_ptr) != 0:
+                return
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         cols = tl.arange(0, BC)
         m = (rows[:, None] < R) & (cols[None, :] < C)
@@ -589,10 +596,13 @@ if triton is not None:
         return lo, tl.minimum(r1, lo + chunk)
 
     @triton.jit
-    def _group_columns_amax_kernel(x_ptr, amax_ptr, ends_ptr, C, SPLITS,
+    def _group_columns_amax_kernel(x_ptr, amax_ptr, ends_ptr, skip_ptr, C, SPLITS, HAS_SKIP: tl.constexpr,
                                    BT: tl.constexpr, BC: tl.constexpr):
         """Pass 1: the amax of each column of one block over a split of group g's rows of a
         contiguous [R, C], max-combined atomically into amax[g, c]."""
+        if HAS_SKIP:
+            if tl.load(skip_ptr) != 0:
+                return
         g, sp = tl.program_id(0), tl.program_id(2)
         lo, hi = _group_split(ends_ptr, g, sp, SPLITS, BT)
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -606,10 +616,14 @@ if triton is not None:
         tl.atomic_max(amax_ptr + g * C + cols, acc, mask=cm)
 
     @triton.jit
-    def _group_columns_cast_kernel(x_ptr, y_ptr, s_ptr, amax_ptr, ends_ptr, C, stride_oc, group_shift,
-                                   SPLITS, FP8_MAX: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    def _group_columns_cast_kernel(x_ptr, y_ptr, s_ptr, amax_ptr, ends_ptr, skip_ptr, C, stride_oc, group_shift,
+                                   SPLITS, FP8_MAX: tl.constexpr, HAS_SKIP: tl.constexpr, BT: tl.constexpr,
+                                   BC: tl.constexpr):
         """Pass 2: the same split cast with scale = FP8_MAX / amax[g, c], stored transposed: element
         (r, c) of group g at c * stride_oc + r + g * group_shift; scale_inv of (g, c) at g * C + c."""
+        if HAS_SKIP:
+            if tl.load(skip_ptr) != 0:
+                return
         g, sp = tl.program_id(0), tl.program_id(2)
         lo, hi = _group_split(ends_ptr, g, sp, SPLITS, BT)
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -629,31 +643,50 @@ if triton is not None:
 GROUP_COLUMN_PROGRAMS = 1024   # split each expert's rows until about this many programs run
 
 
-def _group_columns_triton(x, ends, num_groups, dtype, stride_oc, group_shift, out_shape):
+def _group_columns_triton(x, ends, num_groups, dtype, stride_oc, group_shift, out_shape, out=None, skip=None):
     """Two launches over (expert, column block, row split): the amaxes, then the cast. Splitting an
     expert's rows keeps enough programs in flight at 8 experts (one program per expert and
-    column block left a 2048-column tensor 256 programs: under half the copy bandwidth)."""
+    column block left a 2048-column tensor 256 programs: under half the copy bandwidth).
+    out: (y, s_inv) to write (a weight cache); skip: a device flag, nonzero to leave them."""
     c = x.shape[1]
-    y = torch.empty(out_shape, dtype=dtype, device=x.device)
-    s_inv = torch.empty(num_groups * c, dtype=torch.float32, device=x.device)
+    y, s_inv = out if out is not None else (
+        torch.empty(out_shape, dtype=dtype, device=x.device),
+        torch.empty(num_groups * c, dtype=torch.float32, device=x.device))
+    s_inv = s_inv.view(-1)
+    flag = skip if skip is not None else s_inv
     amax = torch.zeros(num_groups * c, dtype=torch.float32, device=x.device)
     bt, bc = (16, 16) if interpreting() else (64, 64)
     blocks = cdiv(c, bc)
     splits = max(1, min(16, GROUP_COLUMN_PROGRAMS // max(1, num_groups * blocks)))
     grid = (num_groups, blocks, splits)
-    _group_columns_amax_kernel[grid](x, amax, ends, c, splits, BT=bt, BC=bc, num_warps=4)
-    _group_columns_cast_kernel[grid](x, y, s_inv, amax, ends, c, stride_oc, group_shift, splits,
-                                     FP8_MAX=FP8_MAX[dtype], BT=bt, BC=bc, num_warps=4)
+    _group_columns_amax_kernel[grid](x, amax, ends, flag, c, splits, HAS_SKIP=skip is not None, BT=bt, BC=bc,
+                                     num_warps=4)
+    _group_columns_cast_kernel[grid](x, y, s_inv, amax, ends, flag, c, stride_oc, group_shift, splits,
+                                     FP8_MAX=FP8_MAX[dtype], HAS_SKIP=skip is not None, BT=bt, BC=bc, num_warps=4)
     return y, s_inv
 
 
-def quantize_rowwise(t: torch.Tensor, dtype: torch.dtype):
+def _kept(out, made, skip):
+    """Torch path of a flagged cast: `made` written into `out` (a weight cache) where the device
+    flag `skip` is 0, `out` left as it is where it is nonzero; no flag: `made`, or copied into `out`."""
+    if out is None:
+        return made
+    keep = None if skip is None else skip.reshape(()) != 0
+    for held, new in zip(out, made):
+        held.copy_(new if keep is None else torch.where(keep, held, new))
+    return out
+
+
+def quantize_rowwise(t: torch.Tensor, dtype: torch.dtype, out=None, skip=None):
     """t [..., C] -> (t8 [..., C] contiguous, scale_inv [...] fp32): one current scale per row (the
-    amax of the row along C, the GEMM's reduction). One Triton pass on CUDA tensors."""
+    amax of the row along C, the GEMM's reduction). One Triton pass on CUDA tensors.
+    out: (t8, scale_inv) to write (a weight cache); skip: a device flag, nonzero to leave them."""
     if _triton_here(t):
         t = t.contiguous()
-        y = torch.empty(t.shape, dtype=dtype, device=t.device)
-        s_inv = torch.empty(t.shape[:-1], dtype=torch.float32, device=t.device)
+        y, s_inv = out if out is not None else (
+            torch.empty(t.shape, dtype=dtype, device=t.device),
+            torch.empty(t.shape[:-1], dtype=torch.float32, device=t.device))
+        flag = skip if skip is not None else s_inv
         c = t.shape[-1]
         r = t.numel() // c
         bc = triton.next_power_of_2(c)
@@ -661,17 +694,18 @@ def quantize_rowwise(t: torch.Tensor, dtype: torch.dtype):
             br = max(1, min(ROWS_IN_ONE_READ // bc, triton.next_power_of_2(r)))
             if interpreting():
                 br = min(br, 4)
-            _rows_tile_kernel[(cdiv(r, br),)](t, y, s_inv, r, c, FP8_MAX=FP8_MAX[dtype], BR=br, BC=bc,
+            _rows_tile_kernel[(cdiv(r, br),)](t, y, s_inv, flag, r, c, FP8_MAX=FP8_MAX[dtype],
+                                              HAS_SKIP=skip is not None, BR=br, BC=bc,
                                               num_warps=8 if br * bc >= 4096 else 4)
         else:                        # longer rows: two passes over each row (the second from cache)
-            _rows_kernel[(r,)](t, y, s_inv, c, FP8_MAX=FP8_MAX[dtype],
+            _rows_kernel[(r,)](t, y, s_inv, flag, c, FP8_MAX=FP8_MAX[dtype], HAS_SKIP=skip is not None,
                                BC=32 if interpreting() else 1024, num_warps=4)
         return y, s_inv
     fp8_max = FP8_MAX[dtype]
     tf = t.float()
     scale = current_scale(tf.abs().amax(-1), fp8_max)
     t8 = (tf * scale[..., None]).clamp_(-fp8_max, fp8_max).to(dtype).contiguous()
-    return t8, scale.reciprocal()
+    return _kept(out, (t8, scale.reciprocal()), skip)
 
 
 def quantize_group_columns(t: torch.Tensor, groups: torch.Tensor, num_groups: int, dtype: torch.dtype,
@@ -692,15 +726,45 @@ def quantize_group_columns(t: torch.Tensor, groups: torch.Tensor, num_groups: in
     return t8.t().contiguous(), scale.reciprocal().reshape(-1)
 
 
-def quantize_weight_columns(w: torch.Tensor, dtype: torch.dtype):
+def quantize_weight_columns(w: torch.Tensor, dtype: torch.dtype, out=None, skip=None):
     """w [E, N, K] -> (w^T 8 [E, K, N] contiguous, scale_inv [E, K]): one scale per (expert, input
-    channel), the dgrad GEMM's operand. The group-columns kernel with every expert N rows."""
+    channel), the dgrad GEMM's operand. The group-columns kernel with every expert N rows.
+    out / skip: as quantize_rowwise's."""
     e, n, k = w.shape
     if _triton_here(w):
         ends = torch.arange(n, e * n + 1, n, device=w.device, dtype=torch.int32)
-        y, s_inv = _group_columns_triton(w.contiguous().view(e * n, k), ends, e, dtype, n, k * n - n, (e, k, n))
+        y, s_inv = _group_columns_triton(w.contiguous().view(e * n, k), ends, e, dtype, n, k * n - n, (e, k, n),
+                                         out, skip)
         return y, s_inv.view(e, k)
-    return quantize_rowwise(w.transpose(-2, -1), dtype)
+    return _kept(out, quantize_rowwise(w.transpose(-2, -1), dtype), skip)
+
+
+def quantize_expert_weights(w: torch.Tensor, dtype: torch.dtype, cache: Fp8WeightCache | None):
+    """w [E, out, in] -> ((w8 [E, out, in], sw [E, out]), (wt8 [E, in, out], swt [E, in]) or None): the
+    forward GEMM's operand and the dgrad's, through the grouped linear's weight cache (as TE keeps
+    its grouped linears' fp8 weights across a step's micro-batches). No cache: the forward operand
+    only (the dgrad's is cast in the backward). With one, as quantize_weight: cast both into it at a
+    step's first micro-batch, reuse them later in the step (no kernel), or -- inside a CUDA-graph
+    capture -- casts that each replay runs or skips by the cache's device flag. The caller says
+    whether the experts' weights changed (cache.skip False)."""
+    if cache is None:
+        return quantize_rowwise(w, dtype), None
+    held = cache.tensors
+    if held is None or held[0][0].shape != w.shape or held[0][0].dtype != dtype or held[0][0].device != w.device:
+        report.ran("fp8_weight_cast", "experts: cast (cache made)")
+        cache.tensors = (quantize_rowwise(w, dtype), quantize_weight_columns(w, dtype))
+        return cache.tensors
+    skip = cache.skip
+    if skip is True:
+        report.ran("fp8_weight_cast", "experts: cached (later micro-batch)")
+        return held
+    flagged = torch.is_tensor(skip)
+    report.ran("fp8_weight_cast", "experts: cast, or cached by the graph's flag" if flagged
+               else "experts: cast into the cache")
+    flag = skip if flagged else None
+    quantize_rowwise(w, dtype, held[0], flag)
+    quantize_weight_columns(w, dtype, held[1], flag)
+    return held
 
 
 def _grouped_scaled_mm(a, b, sa, sb, offs, out_dtype, fast_accum):
@@ -730,16 +794,18 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     and w per (expert, input channel); wgrad dy and x per (expert, column) over the expert's tokens.
     torch's grouped fp8 GEMM on sm90 takes e4m3 operands only, so gradients are e4m3 in every format
     (a scale per row keeps their range). The GEMMs write bf16 (the kernel's only output type),
-    cast to the input's and weight's dtypes."""
+    cast to the input's and weight's dtypes. With a weight cache (quantize_expert_weights) both
+    weight operands come from it and the stacked weight is not kept for the backward."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, groups, fp8_wgrad):
+    def forward(ctx, x, w, offs, groups, fp8_wgrad, cache):
         e4m3 = torch.float8_e4m3fn
         x8, sx = quantize_rowwise(x, e4m3)
-        w8, sw = quantize_rowwise(w, e4m3)
+        (w8, sw), ctx.dgrad_weight = quantize_expert_weights(w, e4m3, cache)
         y = _grouped_scaled_mm(x8, w8.transpose(-2, -1), sx, sw, offs, torch.bfloat16, True).to(x.dtype)
-        ctx.save_for_backward(x, w, offs, groups)
-        ctx.fp8_wgrad = fp8_wgrad
+        # the stacked weight only for a dgrad operand cast in the backward (no cache)
+        ctx.save_for_backward(x, w if ctx.dgrad_weight is None else None, offs, groups)
+        ctx.fp8_wgrad, ctx.w_meta = fp8_wgrad, (w.shape[0], w.dtype)
         return y
 
     @staticmethod
@@ -750,27 +816,30 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dy8, sdy = quantize_rowwise(dy, e4m3)
-            wt8, swt = quantize_weight_columns(w, e4m3)      # [E, in, out], per (expert, in)
+            # [E, in, out], per (expert, in): the cache's, else cast now
+            wt8, swt = ctx.dgrad_weight or quantize_weight_columns(w, e4m3)
             dx = _grouped_scaled_mm(dy8, wt8.transpose(-2, -1), sdy, swt, offs, torch.bfloat16, False).to(dy.dtype)
+        ctx.dgrad_weight = None
+        num, w_dtype = ctx.w_meta
         if ctx.needs_input_grad[1]:
             if ctx.fp8_wgrad:
-                num = w.shape[0]
                 dyt8, sdyt = quantize_group_columns(dy, groups, num, e4m3, offs)    # [out, T]
                 xt8, sxt = quantize_group_columns(x, groups, num, e4m3, offs)       # [in, T]
-                dw = _grouped_scaled_mm(dyt8, xt8.t(), sdyt, sxt, offs, torch.bfloat16, False).to(w.dtype)
+                dw = _grouped_scaled_mm(dyt8, xt8.t(), sdyt, sxt, offs, torch.bfloat16, False).to(w_dtype)
             elif dy.is_cuda and dy.dtype == torch.bfloat16:
                 dw = torch._grouped_mm(dy.t(), x, offs=offs)
             else:
                 ends = [0] + offs.tolist()
-                dw = torch.stack([dy[a:b].t().float() @ x[a:b].float() for a, b in zip(ends, ends[1:])]).to(w.dtype)
-        return dx, dw, None, None, None
+                dw = torch.stack([dy[a:b].t().float() @ x[a:b].float() for a, b in zip(ends, ends[1:])]).to(w_dtype)
+        return dx, dw, None, None, None, None
 
 
-def fp8_grouped_gemm(x, w, tokens_per_expert, recipe):
+def fp8_grouped_gemm(x, w, tokens_per_expert, recipe, weight_cache: Fp8WeightCache | None = None):
     """y [T, out] = each expert's rows of x [T, in] times w[e]^T, w [E, out, in], in fp8 (see
     _Fp8GroupedLinear). tokens_per_expert: host ints (Megatron's m_splits); every group a multiple of
     16 rows (Megatron's Fp8Padding), in_features and out_features multiples of 16; otherwise a
-    reported bf16 grouped GEMM."""
+    reported bf16 grouped GEMM. weight_cache: the grouped linear's fp8 weights across a step's
+    micro-batches (quantize_expert_weights)."""
     sizes = [int(n) for n in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
                               else tokens_per_expert)]
     odd = [n for n in sizes if n % GROUP_ALIGN]
@@ -788,4 +857,4 @@ def fp8_grouped_gemm(x, w, tokens_per_expert, recipe):
     # each row's expert, by device kernels alone (a CUDA graph may be capturing)
     groups = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=torch.int32),
                                 right=True).long()
-    return _Fp8GroupedLinear.apply(x.contiguous(), w, offs, groups, bool(recipe.wgrad))
+    return _Fp8GroupedLinear.apply(x.contiguous(), w, offs, groups, bool(recipe.wgrad), weight_cache)

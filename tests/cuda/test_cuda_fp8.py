@@ -757,3 +757,103 @@ def test_weight_cache_in_a_cuda_graph_follows_the_flag_at_each_replay(recipe):
     if recipe == "tensorwise":
         assert _same(cache.tensors, _fresh(w))
     assert not _same(cache.tensors, before)
+
+
+# ---------------------------------------------------------------- the experts' fp8 weight cache
+def _flat(held):
+    return [t for pair in held for t in pair]
+
+
+def test_grouped_weight_cache_casts_at_the_first_micro_batch_and_reuses_it_after(torch_cast_on_cpu):
+    """The experts' grouped linear with a weight cache: the first call casts both weight operands
+    into it (forward and dgrad, equal to the bit to the uncached op); skip True reuses them with no
+    kernel, even where the weights changed behind their version counter (as Megatron's optimizers
+    write them: the next step's first micro-batch casts again); skip False casts into the same
+    tensors."""
+    from megatron_adapt.backends.fp8_scaling import Fp8WeightCache
+
+    _grouped_capable()
+    torch.manual_seed(7)
+    sizes, n, k = [32, 16, 0, 48], 64, 96
+    x = torch.randn(sum(sizes), k, device=DEV).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(len(sizes), n, k, device=DEV) * 0.05).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(sum(sizes), n, device=DEV).to(torch.bfloat16)
+
+    def run(weight, cache):
+        x.grad = weight.grad = None
+        y = fp8.fp8_grouped_gemm(x, weight, sizes, Fp8Recipe(), weight_cache=cache)
+        y.backward(dy)
+        return y.detach().clone(), x.grad.clone(), weight.grad.clone()
+
+    ref = run(w, None)
+    cache = Fp8WeightCache()
+    report.reset_op_counts()
+    got = run(w, cache)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    held = cache.tensors
+    assert [t.shape for t in _flat(held)] == [(4, n, k), (4, n), (4, k, n), (4, k)]
+    old = w.detach().clone()
+    w.data.mul_(2.0)                                       # through .data: no version change
+    cache.skip = True
+    got = run(w, cache)
+    assert cache.tensors is held
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])   # the old weights' product
+    cache.skip = False                                     # the next step's first micro-batch
+    got = run(w, cache)
+    assert cache.tensors is held
+    fresh = run(w.detach().clone().requires_grad_(), None)
+    assert all(torch.equal(a, b) for a, b in zip(got[:2], fresh[:2]))
+    assert not torch.equal(got[0], ref[0]) and torch.equal(old * 2, w.detach())
+    assert _casts() == {"experts: cast (cache made)": 1, "experts: cached (later micro-batch)": 1,
+                        "experts: cast into the cache": 1}, _casts()
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_grouped_weight_cache_flag_keeps_or_casts_as_the_device_flag_says(path, monkeypatch):
+    """The flagged casts a CUDA graph records for the experts' weights (rows, and per-(expert, input)
+    columns): flag 1 leaves the cache as it is, flag 0 casts into it, equal to a fresh cast by the
+    same path. The Triton kernels where they run here (GPU, or the interpreter on CPU)."""
+    from megatron_adapt.backends.fp8_scaling import Fp8WeightCache
+
+    if path == "triton" and (fp8.triton is None or (DEV == "cpu" and not fp8.interpreting())):
+        pytest.skip("the Triton kernels run on CPU under TRITON_INTERPRET=1 only")
+    if path == "torch":
+        monkeypatch.setattr(fp8, "triton", None)
+    torch.manual_seed(8)
+    w = (torch.randn(3, 48, 80, device=DEV) * 0.05).to(torch.bfloat16)
+    cache = Fp8WeightCache()
+    fp8.quantize_expert_weights(w, E4, cache)
+    before = [t.clone() for t in _flat(cache.tensors)]
+    w.mul_(3.0)
+    cache.skip = torch.ones(1, device=DEV)
+    fp8.quantize_expert_weights(w, E4, cache)
+    assert _same(_flat(cache.tensors), before)
+    cache.skip = torch.zeros(1, device=DEV)
+    fp8.quantize_expert_weights(w, E4, cache)
+    fresh = [*fp8.quantize_rowwise(w, E4), *fp8.quantize_weight_columns(w, E4)]
+    assert _same(_flat(cache.tensors), fresh) and not _same(_flat(cache.tensors), before)
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="captures a CUDA graph")
+def test_grouped_weight_cache_in_a_cuda_graph_follows_the_flag_at_each_replay():
+    from megatron_adapt.backends.fp8_scaling import Fp8WeightCache
+
+    _grouped_capable()
+    w = (torch.randn(8, 512, 256, device=DEV) * 0.05).to(torch.bfloat16)
+    cache = Fp8WeightCache()
+    fp8.quantize_expert_weights(w, E4, cache)          # made outside, as Megatron's warm-up does
+    flag = torch.zeros(1, device=DEV)
+    cache.skip = flag
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8.quantize_expert_weights(w, E4, cache)
+    before = [t.clone() for t in _flat(cache.tensors)]
+    w.mul_(2.0)
+    flag.fill_(1.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _same(_flat(cache.tensors), before)
+    flag.fill_(0.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _same(_flat(cache.tensors), [*fp8.quantize_rowwise(w, E4), *fp8.quantize_weight_columns(w, E4)])

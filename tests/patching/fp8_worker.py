@@ -33,7 +33,7 @@ import megatron_adapt  # noqa: E402
 from megatron_adapt import report  # noqa: E402
 
 scenario = sys.argv[1]
-if scenario in ("train", "moe", "weight_cache", "swiglu", "recompute", "duplicated"):
+if scenario in ("train", "moe", "moe_weight_cache", "weight_cache", "swiglu", "recompute", "duplicated"):
     from megatron_adapt.backends import cpu as cpu_backend
     from megatron_adapt.backends.cuda import fp8 as cuda_fp8
 
@@ -206,6 +206,71 @@ def moe():
         }
     out["moe_fallbacks"] = {o["implementation"]: o["fallback_reason"] for o in report.as_dict()["ops"]
                             if "grouped" in o["op"] and o["fallback_reason"]}
+
+
+def moe_weight_cache():
+    """The experts' grouped linears keep their fp8 weights across a step's micro-batches, as TE's do:
+    two micro-batches a step, the first marked by GPTModel.set_is_first_microbatch (Megatron's
+    forward_step), against the same model never marked (casts at every call); weights updated
+    through .data between steps, as Megatron's optimizers write them. Also with --no-fp8-wgrad."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    start()
+    torch.manual_seed(4321)
+    batches = [(torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))) for _ in range(2)]
+    pos = torch.arange(32).unsqueeze(0).expand(2, -1)
+    moe_kw = dict(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True, add_bias_linear=False,
+                  moe_token_dispatcher_type="alltoall", moe_ffn_hidden_size=128, gated_linear_unit=True,
+                  activation_func=torch.nn.functional.silu, moe_router_load_balancing_type="none",
+                  fp8="hybrid", fp8_recipe="tensorwise")
+
+    def build(**kw):
+        torch.manual_seed(0)
+        model_parallel_cuda_manual_seed(0)
+        config = TransformerConfig(**{**BASE, **moe_kw, **kw})
+        return GPTModel(config, get_gpt_decoder_block_spec(config, use_transformer_engine=True),
+                        vocab_size=128, max_sequence_length=32)
+
+    def one_step(m, mark, main_grad):
+        for p in m.parameters():
+            p.grad = None
+            if main_grad:
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+                p.grad_added_to_main_grad = False
+        losses = []
+        for i, (tokens, labels) in enumerate(batches):
+            if mark and i == 0:
+                m.set_is_first_microbatch()
+            loss = m(tokens, pos, None, labels=labels).float().mean()
+            loss.backward()
+            losses.append(loss.item())
+        grads = {n: (p.main_grad if main_grad and getattr(p, "grad_added_to_main_grad", False) else p.grad)
+                 for n, p in m.named_parameters()}
+        return losses, {n: g.clone() for n, g in grads.items() if g is not None}
+
+    for name, kw in (("fp8_wgrad", {}), ("no_fp8_wgrad", dict(fp8_wgrad=False, gradient_accumulation_fusion=True))):
+        main_grad = bool(kw.get("gradient_accumulation_fusion"))
+        every, cached = build(**kw), build(**kw)
+        cached.load_state_dict(every.state_dict(), strict=False)
+        report.reset_op_counts()
+        steps = []
+        for _ in range(3):
+            l_every, g_every = one_step(every, False, main_grad)
+            l_cached, g_cached = one_step(cached, True, main_grad)
+            experts = [n for n in g_every if "experts" in n]
+            steps.append({"losses": [l_every, l_cached], "expert_grads": len(experts),
+                          "grad_rel_max": max(rel(g_cached[n], g_every[n]) for n in g_every)})
+            with torch.no_grad():   # the same update for both, through .data
+                for (n, p), q in zip(every.named_parameters(), cached.parameters()):
+                    delta = 0.01 * torch.sign(g_every[n]) if n in g_every else 0.0
+                    p.data.add_(delta)
+                    q.data.add_(delta)
+        fc1 = every.decoder.layers[0].mlp.experts.linear_fc1
+        out[f"moe_cache_{name}"] = {
+            "steps": steps,
+            "casts": {k: v for k, v in report.op_counts().get("fp8_weight_cast", {}).items() if k.startswith("experts")},
+            "never_marked_has_no_cache": fc1.fp8_weight_cache.tensors is None,
+            "marked": cached.decoder.layers[0].mlp.experts.linear_fc1.fp8_weight_cache.tensors is not None}
 
 
 def graphs(first_last_bf16, tokens, pos, labels):
@@ -456,6 +521,6 @@ def duplicated():
                         if o["op"] == "fp8_linear" and o["fallback_reason"]}
 
 
-{"refusal": refusal, "train": train, "moe": moe, "weight_cache": weight_cache, "swiglu": swiglu,
+{"refusal": refusal, "train": train, "moe": moe, "moe_weight_cache": moe_weight_cache, "weight_cache": weight_cache, "swiglu": swiglu,
  "recompute": recompute, "duplicated": duplicated}[scenario]()
 print("PROBE-JSON:" + json.dumps(out))

@@ -144,6 +144,24 @@ class TestFp8ThroughMegatron:
         # forward and dgrad, which dominates it here as it does with the fp8 wgrad (0.22 against 0.23)
         assert r["expert_grads"] == 24 and 1e-3 < r["expert_grad_rel_max"] < 0.35, r
 
+    def test_moe_experts_keep_their_fp8_weights_across_a_steps_micro_batches(self):
+        """TEGroupedMLP's grouped linears cast the experts' weights (the forward's per-(expert, output)
+        operand and the dgrad's per-(expert, input) one) at a step's first micro-batch, marked by
+        GPTModel.set_is_first_microbatch, and reuse them for the later ones; equal to the bit to a
+        model never marked (which casts at every call), over 3 steps whose updates go through .data;
+        with the fp8 wgrad and with --no-fp8-wgrad into main_grad. Fails if the cache is stale
+        (a later step reusing the first step's weights) or never reused."""
+        res = worker("moe_weight_cache")
+        for name in ("fp8_wgrad", "no_fp8_wgrad"):
+            r = res[f"moe_cache_{name}"]
+            # 3 layers x 2 grouped linears, 3 steps: each step's first micro-batch casts, the second reuses
+            assert r["casts"] == {"experts: cast (cache made)": 6, "experts: cast into the cache": 12,
+                                  "experts: cached (later micro-batch)": 18}, r
+            assert r["never_marked_has_no_cache"] and r["marked"], r
+            for step in r["steps"]:
+                assert step["losses"][0] == step["losses"][1], r
+                assert step["grad_rel_max"] == 0.0 and step["expert_grads"] == 24, r
+
     def test_duplicated_linears_of_mla_and_latent_moe_in_fp8(self):
         """The linears TE's spec builds as TELinear(parallel_mode="duplicated") -- MLA's q / kv down
         projections and MoE's latent projections -- run the backend's fp8 GEMM inside Megatron's fp8
