@@ -535,3 +535,34 @@ def test_dsa_tests_of_both_layouts_see_the_providers_te_classes():
                  "transformer/test_attention_variant_dsa.py"):
         item = types.SimpleNamespace(nodeid=f"tests/unit_tests/{path}::TestDSAIndexer::test_dsa_indexer_forward[16]")
         assert not isinstance(pytest_plugin._te_classes_for(item), contextlib.nullcontext), path
+
+
+def test_the_oom_fallback_test_is_skipped_only_on_a_host_short_for_its_ranks(monkeypatch):
+    """Megatron's test_oom_is_handled needs ~1.2 x a GPU's memory per rank on the host: skipped on
+    cuda where the host has less for the run's ranks (a 125 GiB host with one 141 GB H200), run where it
+    has enough (2 ranks on a 251 GB host with two 80 GB H100s); never on a machine without a GPU."""
+    gpu = {"gb": 141.0}
+    monkeypatch.setattr(pytest_plugin, "gpu_memory_gb", lambda: gpu["gb"])
+    for host, world, short in [(134.0, "1", True), (251.0, "1", False), (251.0, "2", True)]:
+        monkeypatch.setattr(pytest_plugin, "host_memory_gb", lambda host=host: host)
+        monkeypatch.setenv("WORLD_SIZE", world)
+        assert pytest_plugin.host_short_for_the_oom_fallback() is short, (host, world)
+    gpu["gb"] = 80.0
+    assert pytest_plugin.host_short_for_the_oom_fallback() is False       # 2 ranks x 96 GB < 251
+    gpu["gb"] = None
+    assert pytest_plugin.host_short_for_the_oom_fallback() is False
+    node = "tests/unit_tests/dist_checkpointing/models/test_mlp_glu.py::TestParallelMLPWithGLU::test_oom_is_handled"
+    assert pytest_plugin.time_limit(node, 150, "cuda") == 900 and pytest_plugin.time_limit(node, 150, "cpu") == 150
+
+
+def test_gpu_memory_is_read_from_nvidia_smi_and_none_without_it(monkeypatch):
+    def smi(cmd, **kw):
+        assert cmd[0] == "nvidia-smi"
+        return types.SimpleNamespace(stdout="81559\n143771\n")
+    monkeypatch.setattr(pytest_plugin.subprocess, "run", smi)
+    assert pytest_plugin.gpu_memory_gb() == pytest.approx(143771 * 2**20 / 1e9)
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError("nvidia-smi")
+    monkeypatch.setattr(pytest_plugin.subprocess, "run", missing)
+    assert pytest_plugin.gpu_memory_gb() is None
