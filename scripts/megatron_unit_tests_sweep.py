@@ -18,7 +18,7 @@ files listed (one path under tests/unit_tests a line, e.g. the files with such s
 finish before `--deadline` is not started; one that is running then is stopped, and its counts are
 those of the tests that ran. Each chunk leaves OUT/<tag>/<backend>/<chunk>/chunk.json; a chunk
 listed in a `--done` file (one chunk id a line, as `report --done-list` writes) is not run again,
-so a sweep can go on over several sessions of a time-limited machine.
+so a sweep can go on over several calls of a time-limited machine.
 
 `report` merges any number of such OUT folders (the newest complete result of each chunk wins) and
 prints per tag and backend, per directory: passed / failed / skipped / errors, tests stopped by a
