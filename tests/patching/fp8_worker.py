@@ -80,16 +80,55 @@ def model(**kw):
                     max_sequence_length=32), config
 
 
-def step(m, tokens, pos, labels, main_grad):
+def reset_grads(m, main_grad):
+    """No grads; with main_grad, a zero fp32 main_grad on every parameter (Megatron's DDP buffers)."""
     for p in m.parameters():
         p.grad = None
         if main_grad:
             p.main_grad = torch.zeros_like(p, dtype=torch.float32)
             p.grad_added_to_main_grad = False
+
+
+def grads_of(m, main_grad):
+    return {n: (p.main_grad if main_grad and getattr(p, "grad_added_to_main_grad", False) else p.grad)
+            for n, p in m.named_parameters()}
+
+
+def step(m, tokens, pos, labels, main_grad):
+    reset_grads(m, main_grad)
     loss = m(tokens, pos, None, labels=labels).float().mean()
     loss.backward()
-    return loss.item(), {n: (p.main_grad if main_grad and getattr(p, "grad_added_to_main_grad", False)
-                             else p.grad) for n, p in m.named_parameters()}
+    return loss.item(), grads_of(m, main_grad)
+
+
+def micro_batch_step(m, batches, pos, mark, main_grad=False):
+    """One step over the micro-batches (tokens, labels); with mark, the first is marked by
+    GPTModel.set_is_first_microbatch as Megatron's forward_step does. -> (losses, cloned grads)."""
+    reset_grads(m, main_grad)
+    losses = []
+    for i, (tokens, labels) in enumerate(batches):
+        if mark and i == 0:
+            m.set_is_first_microbatch()
+        loss = m(tokens, pos, None, labels=labels).float().mean()
+        loss.backward()
+        losses.append(loss.item())
+    return losses, {n: g.clone() for n, g in grads_of(m, main_grad).items() if g is not None}
+
+
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True, add_bias_linear=False,
+           moe_token_dispatcher_type="alltoall", moe_ffn_hidden_size=128, gated_linear_unit=True,
+           activation_func=torch.nn.functional.silu, moe_router_load_balancing_type="none")
+
+
+def moe_model(**kw):
+    """GPTModel with TEGroupedMLP experts (MOE, then kw) from the TE decoder-block spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    config = TransformerConfig(**{**BASE, **MOE, **kw})
+    return GPTModel(config, get_gpt_decoder_block_spec(config, use_transformer_engine=True),
+                    vocab_size=128, max_sequence_length=32)
 
 
 def rel(a, b):
@@ -160,23 +199,10 @@ def train():
 def moe():
     """MoE experts in fp8: TEGroupedMLP on megatron-adapt's grouped linears, Megatron's fp8 padding
     (Fp8Padding / Fp8Unpadding served without TE) and the backend's fp8_grouped_gemm."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
     tokens, pos, labels = start()
-    moe_kw = dict(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True, add_bias_linear=False,
-                  moe_token_dispatcher_type="alltoall", moe_ffn_hidden_size=128, gated_linear_unit=True,
-                  activation_func=torch.nn.functional.silu, moe_router_load_balancing_type="none")
-
-    def build(**kw):
-        torch.manual_seed(0)
-        model_parallel_cuda_manual_seed(0)
-        config = TransformerConfig(**{**BASE, **moe_kw, **kw})
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True)
-        return GPTModel(config, spec, vocab_size=128, max_sequence_length=32)
-
     # the reference: the same module tree (TEGroupedMLP, whose parameter names differ from the
     # GroupedMLP a bf16 build without biases gets on 0.15-0.16) with fp8 off at run time
-    ref = build(fp8="hybrid", fp8_recipe="tensorwise")
+    ref = moe_model(fp8="hybrid", fp8_recipe="tensorwise")
     ref.config.fp8 = None
     ref_loss, ref_grads = step(ref, tokens, pos, labels, False)
     out["moe_ref_calls"] = sum(report.op_counts().get("fp8_grouped_gemm", {}).values())
@@ -185,7 +211,7 @@ def moe():
     for name, recipe, main_grad, fp8_wgrad in (("tensorwise", "tensorwise", False, True),
                                                ("delayed", "delayed", True, True),
                                                ("no_fp8_wgrad", "delayed", True, False)):
-        m = build(fp8="hybrid", fp8_recipe=recipe, gradient_accumulation_fusion=main_grad, fp8_wgrad=fp8_wgrad)
+        m = moe_model(fp8="hybrid", fp8_recipe=recipe, gradient_accumulation_fusion=main_grad, fp8_wgrad=fp8_wgrad)
         m.load_state_dict(ref.state_dict(), strict=False)
         before = dict(report.op_counts().get("fp8_grouped_gemm", {}))
         accumulates = sum(report.op_counts().get("wgrad_accumulate", {}).values())
@@ -213,50 +239,20 @@ def moe_weight_cache():
     two micro-batches a step, the first marked by GPTModel.set_is_first_microbatch (Megatron's
     forward_step), against the same model never marked (casts at every call); weights updated
     through .data between steps, as Megatron's optimizers write them. Also with --no-fp8-wgrad."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
     start()
     torch.manual_seed(4321)
     batches = [(torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))) for _ in range(2)]
     pos = torch.arange(32).unsqueeze(0).expand(2, -1)
-    moe_kw = dict(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True, add_bias_linear=False,
-                  moe_token_dispatcher_type="alltoall", moe_ffn_hidden_size=128, gated_linear_unit=True,
-                  activation_func=torch.nn.functional.silu, moe_router_load_balancing_type="none",
-                  fp8="hybrid", fp8_recipe="tensorwise")
-
-    def build(**kw):
-        torch.manual_seed(0)
-        model_parallel_cuda_manual_seed(0)
-        config = TransformerConfig(**{**BASE, **moe_kw, **kw})
-        return GPTModel(config, get_gpt_decoder_block_spec(config, use_transformer_engine=True),
-                        vocab_size=128, max_sequence_length=32)
-
-    def one_step(m, mark, main_grad):
-        for p in m.parameters():
-            p.grad = None
-            if main_grad:
-                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
-                p.grad_added_to_main_grad = False
-        losses = []
-        for i, (tokens, labels) in enumerate(batches):
-            if mark and i == 0:
-                m.set_is_first_microbatch()
-            loss = m(tokens, pos, None, labels=labels).float().mean()
-            loss.backward()
-            losses.append(loss.item())
-        grads = {n: (p.main_grad if main_grad and getattr(p, "grad_added_to_main_grad", False) else p.grad)
-                 for n, p in m.named_parameters()}
-        return losses, {n: g.clone() for n, g in grads.items() if g is not None}
 
     for name, kw in (("fp8_wgrad", {}), ("no_fp8_wgrad", dict(fp8_wgrad=False, gradient_accumulation_fusion=True))):
         main_grad = bool(kw.get("gradient_accumulation_fusion"))
-        every, cached = build(**kw), build(**kw)
+        every, cached = (moe_model(fp8="hybrid", fp8_recipe="tensorwise", **kw) for _ in range(2))
         cached.load_state_dict(every.state_dict(), strict=False)
         report.reset_op_counts()
         steps = []
         for _ in range(3):
-            l_every, g_every = one_step(every, False, main_grad)
-            l_cached, g_cached = one_step(cached, True, main_grad)
+            l_every, g_every = micro_batch_step(every, batches, pos, False, main_grad)
+            l_cached, g_cached = micro_batch_step(cached, batches, pos, True, main_grad)
             experts = [n for n in g_every if "experts" in n]
             steps.append({"losses": [l_every, l_cached], "expert_grads": len(experts),
                           "grad_rel_max": max(rel(g_cached[n], g_every[n]) for n in g_every)})
@@ -328,18 +324,6 @@ def weight_cache():
     batches = [(torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))) for _ in range(2)]
     pos = torch.arange(32).unsqueeze(0).expand(2, -1)
 
-    def one_step(m, mark):
-        for p in m.parameters():
-            p.grad = None
-        losses = []
-        for i, (tokens, labels) in enumerate(batches):
-            if mark and i == 0:
-                m.set_is_first_microbatch()
-            loss = m(tokens, pos, None, labels=labels).float().mean()
-            loss.backward()
-            losses.append(loss.item())
-        return losses, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-
     def casts():
         return dict(report.op_counts().get("fp8_weight_cast", {}))
 
@@ -348,13 +332,13 @@ def weight_cache():
         every, _ = model(**kw)
         cached, _ = model(**kw)
         cached.load_state_dict(every.state_dict())
-        one_step(every, False)              # warm-up: the delayed state has a history in both
-        one_step(cached, False)
+        micro_batch_step(every, batches, pos, False)              # warm-up: the delayed state has a history in both
+        micro_batch_step(cached, batches, pos, False)
         report.reset_op_counts()
         steps = []
         for _ in range(3):
-            l_every, g_every = one_step(every, False)
-            l_cached, g_cached = one_step(cached, True)
+            l_every, g_every = micro_batch_step(every, batches, pos, False)
+            l_cached, g_cached = micro_batch_step(cached, batches, pos, True)
             steps.append({"losses": [l_every, l_cached],
                           "grad_rel_max": max(rel(g_cached[n], g_every[n]) for n in g_every)})
             with torch.no_grad():   # the same optimizer step for both, through .data as Megatron's write
