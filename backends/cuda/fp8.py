@@ -201,13 +201,7 @@ def _cast_torch(x, dtype, transpose, scale, amax, out=None, skip=None):
         seen = xf.abs().amax().reshape(amax.shape)
         amax.copy_(torch.maximum(amax, seen if keep is None else torch.where(keep, amax, seen)))
     y = (xf * scale).clamp_(-fp8_max, fp8_max).to(dtype)
-    made = (y, (y.t().contiguous() if transpose else None), scale.float().reciprocal().reshape(1))
-    if out is None:
-        return made
-    for held, new in zip(out, made):
-        if held is not None:
-            held.copy_(new if keep is None else torch.where(keep, held, new))
-    return out
+    return _kept(out, (y, (y.t().contiguous() if transpose else None), scale.float().reciprocal().reshape(1)), skip)
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool, scaling: Fp8Scaling | None,
@@ -673,7 +667,8 @@ def _kept(out, made, skip):
         return made
     keep = None if skip is None else skip.reshape(()) != 0
     for held, new in zip(out, made):
-        held.copy_(new if keep is None else torch.where(keep, held, new))
+        if held is not None:   # (a cast without its transposed copy)
+            held.copy_(new if keep is None else torch.where(keep, held, new))
     return out
 
 
