@@ -137,10 +137,13 @@ OPS: dict[str, Op] = {
     "fp8_grouped_gemm": Op(
         ".fp8:fp8_grouped_gemm",
         "(x [T, in], w [E, out, in], tokens_per_expert [E] host ints, recipe: backends.fp8_scaling."
-        "Fp8Recipe, weight_cache: backends.fp8_scaling.Fp8WeightCache | None = None) -> y [T, out] "
+        "Fp8Recipe, weight_cache: backends.fp8_scaling.Fp8WeightCache | None = None, main_grads: "
+        "E fp32 [out, in] | None = None, static_sizes: bool = False) -> y [T, out] "
         "x.dtype: each expert's consecutive rows times w[e]^T, forward, dgrad and wgrad GEMMs in fp8 "
         "(the MoE experts' grouped linears under fp8); weight_cache keeps w's fp8 operands across a "
-        "step's micro-batches. "
+        "step's micro-batches; with main_grads the weight gradient is added into them and w's "
+        "gradient is a placeholder (the caller marks grad_added_to_main_grad); static_sizes: the "
+        "row counts are the same at every call. "
         "Served only where fp8_unavailable() is None (cuda)"),
     "fp8_swiglu": Op(
         ".fp8_swiglu:fp8_swiglu",

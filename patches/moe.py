@@ -145,6 +145,8 @@ class _StackExpertWeights(torch.autograd.Function):
     gradient is a contiguous slice (autograd keeps it as .grad without a copy). Per-expert
     AccumulateGrad copies and DDP adds otherwise cost ~4 launches per expert per linear per micro-batch."""
 
+    ADDED = "added"   # fuse's third value: the consumer (fp8_grouped_gemm's main_grads) added dW itself
+
     @staticmethod
     def forward(ctx, fuse, *weights):
         ctx.fuse, ctx.weights = fuse, weights if fuse else None
@@ -155,7 +157,8 @@ class _StackExpertWeights(torch.autograd.Function):
         if not ctx.fuse:
             return (None, *grad.contiguous().unbind(0))
         weights, ctx.weights = ctx.weights, None
-        torch._foreach_add_([w.main_grad for w in weights], list(grad.unbind(0)))
+        if ctx.fuse != _StackExpertWeights.ADDED:   # else grad is an unwritten placeholder
+            torch._foreach_add_([w.main_grad for w in weights], list(grad.unbind(0)))
         return (None, *_main_grad_dummies(weights, grad))
 
 
@@ -355,10 +358,17 @@ def _grouped_linear_classes(backend):
                     out = _ExpertWgradIntoMainGrad.apply(
                         self._fp8_gemm(x, stacked, m_splits, recipe, self._weight_cache(weights)),
                         x.detach(), splits, wgrad_accumulate, *weights)
+                elif recipe is None:
+                    out = grouped_gemm(x, _StackExpertWeights.apply(fuse, *weights), m_splits, True)
+                elif fuse:   # the fp8 wgrad added into the experts' main_grad by the backend
+                    stacked = _StackExpertWeights.apply(_StackExpertWeights.ADDED, *weights)
+                    out = self._fp8_gemm(x, stacked, m_splits, recipe, self._weight_cache(weights),
+                                         main_grads=[w.main_grad for w in weights],
+                                         static_sizes=bool(getattr(self.config, "moe_pad_expert_input_to_capacity",
+                                                                   False)))
                 else:
                     stacked = _StackExpertWeights.apply(fuse, *weights)
-                    out = (grouped_gemm(x, stacked, m_splits, True) if recipe is None
-                           else self._fp8_gemm(x, stacked, m_splits, recipe, self._weight_cache(weights)))
+                    out = self._fp8_gemm(x, stacked, m_splits, recipe, self._weight_cache(weights))
             if not self.use_bias:
                 return out, None
             biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]

@@ -6,8 +6,9 @@ first run's to the bit and their largest difference.
 
 Why (docs/fp8.md, "The experts' fp8 weight cache"): on an H200 the bench's --no-fp8-wgrad run gave the
 old code's losses to the last digit with the cache, the fp8-wgrad run differed from the 5th digit; the
-fp8 wgrad GEMM (torch._scaled_grouped_mm, 2d x 2d) is the code the two runs do not share. Written on
-2026-11-29 (code of f97db20) after that day's device time ran out: not run yet.
+fp8 wgrad GEMM (torch._scaled_grouped_mm, 2d x 2d) is the code the two runs do not share. Ran on an H200
+on 2026-11-29: every repeat equal to the bit, cached and not (docs/fp8.md, "The experts' fp8 wgrad goes into
+main_grad per expert").
 
     python3 scripts/fp8_grouped_repro.py      # one Hopper GPU, megatron-adapt installed
 """

@@ -637,11 +637,14 @@ if triton is not None:
 GROUP_COLUMN_PROGRAMS = 1024   # split each expert's rows until about this many programs run
 
 
-def _group_columns_triton(x, ends, num_groups, dtype, stride_oc, group_shift, out_shape, out=None, skip=None):
+def _group_columns_triton(x, ends, num_groups, dtype, stride_oc, group_shift, out_shape, out=None, skip=None,
+                          per_group=False):
     """Two launches over (expert, column block, row split): the amaxes, then the cast. Splitting an
     expert's rows keeps enough programs in flight at 8 experts (one program per expert and
     column block left a 2048-column tensor 256 programs: under half the copy bandwidth).
-    out: (y, s_inv) to write (a weight cache); skip: a device flag, nonzero to leave them."""
+    out: (y, s_inv) to write (a weight cache); skip: a device flag, nonzero to leave them.
+    per_group: each expert's column amaxes replaced by their max between the launches (one scale
+    per expert, still written per (expert, column))."""
     c = x.shape[1]
     y, s_inv = out if out is not None else (
         torch.empty(out_shape, dtype=dtype, device=x.device),
@@ -655,6 +658,8 @@ def _group_columns_triton(x, ends, num_groups, dtype, stride_oc, group_shift, ou
     grid = (num_groups, blocks, splits)
     _group_columns_amax_kernel[grid](x, amax, ends, flag, c, splits, HAS_SKIP=skip is not None, BT=bt, BC=bc,
                                      num_warps=4)
+    if per_group:
+        amax = amax.view(num_groups, c).amax(1, keepdim=True).expand(num_groups, c).contiguous().view(-1)
     _group_columns_cast_kernel[grid](x, y, s_inv, amax, ends, flag, c, stride_oc, group_shift, splits,
                                      FP8_MAX=FP8_MAX[dtype], HAS_SKIP=skip is not None, BT=bt, BC=bc, num_warps=4)
     return y, s_inv
@@ -704,18 +709,23 @@ def quantize_rowwise(t: torch.Tensor, dtype: torch.dtype, out=None, skip=None):
 
 
 def quantize_group_columns(t: torch.Tensor, groups: torch.Tensor, num_groups: int, dtype: torch.dtype,
-                           ends: torch.Tensor | None = None):
+                           ends: torch.Tensor | None = None, per_group: bool = False):
     """t [T, C], rows grouped by expert (groups [T] int64; ends: the int32 end offsets) -> (t8^T
     [C, T] contiguous, scale_inv [E * C] fp32): one scale per (expert, column), the amax over that
     expert's rows: the operand layout of the wgrad GEMM, whose reduction runs over each expert's
-    tokens. Two Triton launches (amaxes, then the cast) on CUDA tensors."""
+    tokens. per_group: one scale per expert instead (the amax of all its rows; TE's per-tensor
+    current scaling of each expert's GEMM), still written E * C. Two Triton launches (amaxes, then
+    the cast) on CUDA tensors."""
     if ends is not None and _triton_here(t):
         t = t.contiguous()
-        return _group_columns_triton(t, ends, num_groups, dtype, t.shape[0], 0, (t.shape[1], t.shape[0]))
+        return _group_columns_triton(t, ends, num_groups, dtype, t.shape[0], 0, (t.shape[1], t.shape[0]),
+                                     per_group=per_group)
     fp8_max = FP8_MAX[dtype]
     tf = t.float()
     amax = tf.new_zeros(num_groups, t.shape[1]).scatter_reduce_(
         0, groups[:, None].expand(-1, t.shape[1]), tf.abs(), "amax")
+    if per_group:
+        amax = amax.amax(1, keepdim=True).expand_as(amax)
     scale = current_scale(amax, fp8_max)
     t8 = (tf * scale.index_select(0, groups)).clamp_(-fp8_max, fp8_max).to(dtype)
     return t8.t().contiguous(), scale.reciprocal().reshape(-1)
@@ -783,24 +793,54 @@ def _grouped_scaled_mm(a, b, sa, sb, offs, out_dtype, fast_accum):
     return out
 
 
+def _experts_wgrad_into_main_grads(main_grads, dyt8, xt8, sdyt, sxt, offs, sizes, static_sizes):
+    """main_grads[e] += dy_e^T x_e from the per-expert-scaled fp8 operands (dyt8 [out, T], xt8 [in, T]):
+    one cuBLASLt GEMM per expert with beta = 1 (fp8_wgrad.accumulate), where fp8_wgrad.experts_why_not
+    allows, as TE's grouped linear accumulates with fuse_wgrad_accumulation; else the grouped GEMM's
+    bf16 dW added by one `_foreach_add_` (a second pass over every main_grad). The report names the
+    path (op fp8_wgrad)."""
+    n, k = dyt8.shape[0], xt8.shape[0]
+    ends = [0]
+    for size in sizes:
+        ends.append(ends[-1] + size)
+    work = [(mg, dyt8[:, a:b], xt8[:, a:b], sdyt[e * n:e * n + 1], sxt[e * k:e * k + 1])
+            for e, (mg, a, b) in enumerate(zip(main_grads, ends, ends[1:])) if b > a]
+    why = fp8_wgrad.experts_why_not([w[:3] for w in work], static_sizes)
+    if why is None:
+        report.ran("fp8_wgrad", "experts: " + fp8_wgrad.IN_PLACE + " per expert")
+        for mg, a, b, sa, sb in work:
+            fp8_wgrad.accumulate(mg, a, b, sa, sb)
+        return
+    report.ran("fp8_wgrad", f"experts: {dyt8.device.type}.scaled_grouped_mm+main_grad._foreach_add_"
+                            f" ({fp8_wgrad.short(why)})")
+    fp8_wgrad.say_if_missing(why)
+    dw = _grouped_scaled_mm(dyt8, xt8.t(), sdyt, sxt, offs, torch.bfloat16, False)
+    torch._foreach_add_(list(main_grads), list(dw.unbind(0)))
+
+
 class _Fp8GroupedLinear(torch.autograd.Function):
     """y_e = x_e @ w[e]^T for each expert's rows, w [E, out, in] (TE's weight layout), all three GEMMs
-    rowwise-scaled e4m3: forward x per token and w per (expert, output channel); dgrad dy per token
-    and w per (expert, input channel); wgrad dy and x per (expert, column) over the expert's tokens.
-    torch's grouped fp8 GEMM on sm90 takes e4m3 operands only, so gradients are e4m3 in every format
-    (a scale per row keeps their range). The GEMMs write bf16 (the kernel's only output type),
+    e4m3: forward x per token and w per (expert, output channel); dgrad dy per token and w per
+    (expert, input channel); wgrad dy and x per expert (TE's per-tensor current scaling of each
+    expert's GEMM, which lets cuBLASLt add the product into main_grad itself; the wgrad's reduction
+    runs over the expert's tokens). torch's grouped fp8 GEMM on sm90 takes e4m3 operands only, so
+    gradients are e4m3 in every format. The GEMMs write bf16 (the kernel's only output type),
     cast to the input's and weight's dtypes. With a weight cache (quantize_expert_weights) both
-    weight operands come from it and the stacked weight is not kept for the backward."""
+    weight operands come from it and the stacked weight is not kept for the backward. With
+    main_grads (Megatron's fp32 gradient buffers, one per expert) the fp8 wgrad is added into them
+    (_experts_wgrad_into_main_grads) and w's gradient is an unwritten placeholder: the caller
+    marks the weights grad_added_to_main_grad."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, groups, fp8_wgrad, cache):
+    def forward(ctx, x, w, offs, groups, fp8_wgrad, cache, main_grads, sizes, static_sizes):
         e4m3 = torch.float8_e4m3fn
         x8, sx = quantize_rowwise(x, e4m3)
         (w8, sw), ctx.dgrad_weight = quantize_expert_weights(w, e4m3, cache)
         y = _grouped_scaled_mm(x8, w8.transpose(-2, -1), sx, sw, offs, torch.bfloat16, True).to(x.dtype)
         # the stacked weight only for a dgrad operand cast in the backward (no cache)
         ctx.save_for_backward(x, w if ctx.dgrad_weight is None else None, offs, groups)
-        ctx.fp8_wgrad, ctx.w_meta = fp8_wgrad, (w.shape[0], w.dtype)
+        ctx.fp8_wgrad, ctx.w_meta = fp8_wgrad, (tuple(w.shape), w.dtype)
+        ctx.main_grads, ctx.sizes, ctx.static_sizes = main_grads, sizes, static_sizes
         return y
 
     @staticmethod
@@ -815,26 +855,62 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             wt8, swt = ctx.dgrad_weight or quantize_weight_columns(w, e4m3)
             dx = _grouped_scaled_mm(dy8, wt8.transpose(-2, -1), sdy, swt, offs, torch.bfloat16, False).to(dy.dtype)
         ctx.dgrad_weight = None
-        num, w_dtype = ctx.w_meta
+        shape, w_dtype = ctx.w_meta
+        main_grads, ctx.main_grads = ctx.main_grads, None
         if ctx.needs_input_grad[1]:
             if ctx.fp8_wgrad:
-                dyt8, sdyt = quantize_group_columns(dy, groups, num, e4m3, offs)    # [out, T]
-                xt8, sxt = quantize_group_columns(x, groups, num, e4m3, offs)       # [in, T]
-                dw = _grouped_scaled_mm(dyt8, xt8.t(), sdyt, sxt, offs, torch.bfloat16, False).to(w_dtype)
+                dyt8, sdyt = quantize_group_columns(dy, groups, shape[0], e4m3, offs, per_group=True)  # [out, T]
+                xt8, sxt = quantize_group_columns(x, groups, shape[0], e4m3, offs, per_group=True)     # [in, T]
+                if main_grads is not None:
+                    _experts_wgrad_into_main_grads(main_grads, dyt8, xt8, sdyt, sxt, offs, ctx.sizes,
+                                                   ctx.static_sizes)
+                    main_grads, dw = None, torch.empty(shape, dtype=w_dtype, device=dy.device)
+                else:
+                    dw = _grouped_scaled_mm(dyt8, xt8.t(), sdyt, sxt, offs, torch.bfloat16, False).to(w_dtype)
             elif dy.is_cuda and dy.dtype == torch.bfloat16:
                 dw = torch._grouped_mm(dy.t(), x, offs=offs)
             else:
                 ends = [0] + offs.tolist()
                 dw = torch.stack([dy[a:b].t().float() @ x[a:b].float() for a, b in zip(ends, ends[1:])]).to(w_dtype)
-        return dx, dw, None, None, None, None
+            if main_grads is not None:   # a high-precision dW (--no-fp8-wgrad) into the buffers too
+                dw = _into_main_grads(dw, main_grads)
+        return dx, dw, None, None, None, None, None, None, None
 
 
-def fp8_grouped_gemm(x, w, tokens_per_expert, recipe, weight_cache: Fp8WeightCache | None = None):
+def _into_main_grads(dw, main_grads):
+    """dW [E, out, in] added into the experts' main_grads by one `_foreach_add_`; returns the
+    unwritten placeholder that stands for w's gradient (main_grads' protocol above)."""
+    torch._foreach_add_(list(main_grads), list(dw.unbind(0)))
+    return torch.empty_like(dw)
+
+
+class _IntoMainGrads(torch.autograd.Function):
+    """Identity on w; its backward adds w's gradient into the experts' main_grads and passes the
+    placeholder on: the bf16 fallback of an fp8_grouped_gemm call that was given main_grads."""
+
+    @staticmethod
+    def forward(ctx, w, main_grads):
+        ctx.main_grads = main_grads
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, dw):
+        main_grads, ctx.main_grads = ctx.main_grads, None
+        return _into_main_grads(dw, main_grads), None
+
+
+def fp8_grouped_gemm(x, w, tokens_per_expert, recipe, weight_cache: Fp8WeightCache | None = None,
+                     main_grads=None, static_sizes: bool = False):
     """y [T, out] = each expert's rows of x [T, in] times w[e]^T, w [E, out, in], in fp8 (see
     _Fp8GroupedLinear). tokens_per_expert: host ints (Megatron's m_splits); every group a multiple of
     16 rows (Megatron's Fp8Padding), in_features and out_features multiples of 16; otherwise a
     reported bf16 grouped GEMM. weight_cache: the grouped linear's fp8 weights across a step's
-    micro-batches (quantize_expert_weights)."""
+    micro-batches (quantize_expert_weights). main_grads: the experts' fp32 gradient buffers, E
+    tensors [out, in]: the weight gradient is added into them (fp8 or not) and w's gradient is an
+    unwritten placeholder: the caller marks the weights grad_added_to_main_grad. static_sizes: the
+    row counts are the same at every call (capacity-padded dispatch), so an eager call may plan the
+    per-expert in-place GEMMs (dropless sizes change every step: a plan per size would be made at
+    every call)."""
     sizes = [int(n) for n in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert)
                               else tokens_per_expert)]
     odd = [n for n in sizes if n % GROUP_ALIGN]
@@ -845,11 +921,12 @@ def fp8_grouped_gemm(x, w, tokens_per_expert, recipe, weight_cache: Fp8WeightCac
         why = f"in_features={x.shape[1]}, out_features={w.shape[1]} not multiples of {GROUP_ALIGN}"
     if why is not None:
         report.fell_back("fp8_grouped_gemm", f"{x.dtype} grouped GEMM (not fp8)", why)
-        return grouped_gemm(x, w, sizes, True)
+        return grouped_gemm(x, w if main_grads is None else _IntoMainGrads.apply(w, main_grads), sizes, True)
     report.ran("fp8_grouped_gemm", f"{'cuda' if x.is_cuda else x.device.type}.scaled_grouped_mm"
                                    f"(e4m3, rowwise; recipe {recipe.recipe} read as rowwise)")
     offs = group_offsets(sizes, x.device)
     # each row's expert, by device kernels alone (a CUDA graph may be capturing)
     groups = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=torch.int32),
                                 right=True).long()
-    return _Fp8GroupedLinear.apply(x.contiguous(), w, offs, groups, bool(recipe.wgrad), weight_cache)
+    return _Fp8GroupedLinear.apply(x.contiguous(), w, offs, groups, bool(recipe.wgrad), weight_cache, main_grads,
+                                   sizes, static_sizes)

@@ -77,15 +77,47 @@ def into_main_grad(c, a, b, scale_a, scale_b) -> bool:
         accumulate(c, a, b, scale_a, scale_b)
         return True
     report.ran("fp8_wgrad", a.device.type + (ADD_EAGER if why is EAGER else ADD))
-    if why == unavailable():
-        report.say_once(f"the fp8 wgrad GEMM writes an fp32 dW that a second pass adds into "
-                        f"main_grad, because {why}. pip install \"megatron-adapt[cuda]\" (nvmath-python) "
-                        f"for cuBLASLt's in-place accumulation (docs/fp8.md).", key="fp8_wgrad_nvmath")
+    say_if_missing(why)
     return False
 
 
+DROPLESS = ("eager, dropless: the experts' row counts change every step, and a plan per count would be "
+            "made at every call (capacity-padded dispatch keeps them fixed)")
+
+
+def experts_why_not(gemms, static_sizes: bool) -> str | None:
+    """None where every expert's (c, a, b) of a grouped linear's wgrad runs in place (one
+    accumulate per expert), else why not (the caller then adds the grouped GEMM's dW). The rule of
+    why_not for each, and no plan at eager calls unless the row counts are static."""
+    if not gemms:
+        return None
+    if not gemms[0][1].is_cuda:
+        return why_not(*gemms[0])
+    if not static_sizes and not torch.cuda.is_current_stream_capturing():
+        return DROPLESS
+    for c, a, b in gemms:
+        why = why_not(c, a, b)
+        if why is not None:
+            return why
+    return None
+
+
+def short(why: str) -> str:
+    """A report name's reason: the text before its first colon."""
+    return why.split(":")[0]
+
+
+def say_if_missing(why) -> None:
+    """Said once: the second pass runs because nvmath-python does not import."""
+    if why is not None and why == unavailable():
+        report.say_once(f"the fp8 wgrad GEMM writes a dW that a second pass adds into main_grad, "
+                        f"because {why}. pip install \"megatron-adapt[cuda]\" (nvmath-python) for "
+                        f"cuBLASLt's in-place accumulation (docs/fp8.md).", key="fp8_wgrad_nvmath")
+
+
 def _key(c, a, b):
-    return (tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, c.device)
+    """A plan's operands: shapes, row strides (an expert's columns of a [C, T] operand have T), dtypes."""
+    return (tuple(a.shape), tuple(b.shape), a.stride(0), b.stride(0), a.dtype, b.dtype, c.device)
 
 
 def accumulate(c, a, b, scale_a, scale_b) -> None:

@@ -553,8 +553,117 @@ def test_grouped_unaligned_rows_fall_back_reported():
     assert fb and "expert row counts [24] not multiples of 16" in fb[-1]["fallback_reason"], fb
 
 
+def _stand_in_for_cublaslt(monkeypatch):
+    """On CPU: the in-place per-expert path taken, its GEMM the same math (the protocol is tested)."""
+    monkeypatch.setattr(fp8_wgrad, "experts_why_not", lambda gemms, static_sizes: None)
+    monkeypatch.setattr(fp8_wgrad, "accumulate",
+                        lambda c, a, b, sa, sb: c.add_((a.float() @ b.float().t()) * (sa * sb)))
+
+
+def _wgrad_paths():
+    return {k: v for k, v in report.op_counts().get("fp8_wgrad", {}).items() if k.startswith("experts")}
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_grouped_fp8_wgrad_goes_into_the_experts_main_grads(torch_cast_on_cpu, monkeypatch, in_place):
+    """Given main_grads (Megatron's gradient-accumulation fusion), each expert's fp8 wgrad is added
+    into its fp32 main_grad: by one cuBLASLt GEMM per expert with beta = 1 (in place), or by the
+    grouped GEMM's bf16 dW and one _foreach_add_. Either equals the dW of the call without
+    main_grads (the same per-expert-scaled operands; in place skips dW's bf16 rounding), an empty
+    expert's main_grad is untouched, and w's gradient is only a placeholder of its shape. On CPU the
+    in-place GEMM is stood in for by the same math; on a GPU it is cuBLASLt's, planned at this eager
+    call because the sizes are static."""
+    _grouped_capable()
+    monkeypatch.setattr(fp8_wgrad, "_plans", {})
+    if in_place and DEV == "cpu":
+        _stand_in_for_cublaslt(monkeypatch)
+    elif in_place:
+        _nvmath_or_skip()
+    torch.manual_seed(9)
+    sizes, n, k = [32, 0, 48, 16], 64, 96
+    x = torch.randn(sum(sizes), k, device=DEV).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(len(sizes), n, k, device=DEV) * 0.05).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(sum(sizes), n, device=DEV).to(torch.bfloat16)
+    y = fp8.fp8_grouped_gemm(x, w, sizes, Fp8Recipe())
+    y.backward(dy)
+    ref = w.grad.float()
+    main_grads = [torch.full((n, k), 0.5, device=DEV) for _ in sizes]
+    w2 = w.detach().clone().requires_grad_()
+    report.reset_op_counts()
+    y2 = fp8.fp8_grouped_gemm(x, w2, sizes, Fp8Recipe(), main_grads=main_grads, static_sizes=in_place)
+    assert torch.equal(y2, y)
+    y2.backward(dy)
+    assert w2.grad.shape == w.shape
+    got = torch.stack(main_grads) - 0.5
+    assert torch.equal(main_grads[1], torch.full((n, k), 0.5, device=DEV))
+    if in_place:
+        assert _wgrad_paths() == {"experts: cuda.cublaslt(beta=1, nvmath) per expert": 1}, _wgrad_paths()
+        torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    else:
+        why = "tensors on cpu" if DEV == "cpu" else "eager, dropless"
+        assert _wgrad_paths() == {f"experts: {DEV}.scaled_grouped_mm+main_grad._foreach_add_ ({why})": 1}
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6 * ref.abs().max().item())
+    assert got.abs().sum() > 0
+
+
+@pytest.mark.parametrize("case", ["no fp8 wgrad", "bf16 fallback"])
+def test_grouped_high_precision_wgrad_goes_into_the_experts_main_grads(torch_cast_on_cpu, case):
+    """main_grads' protocol holds off the fp8 wgrad path too: --no-fp8-wgrad's bf16 dW, and the
+    bf16 grouped GEMM of a call that falls back (rows not padded to 16), are added into them."""
+    _grouped_capable()
+    torch.manual_seed(10)
+    sizes, n, k = ([32, 16], 48, 64) if case == "no fp8 wgrad" else ([24, 16], 48, 64)
+    x = torch.randn(sum(sizes), k, device=DEV).to(torch.bfloat16)
+    w = (torch.randn(len(sizes), n, k, device=DEV) * 0.05).to(torch.bfloat16)
+    dy = torch.randn(sum(sizes), n, device=DEV).to(torch.bfloat16)
+    recipe = Fp8Recipe(wgrad=case != "no fp8 wgrad")
+    w1 = w.clone().requires_grad_()
+    fp8.fp8_grouped_gemm(x, w1, sizes, recipe).backward(dy)
+    main_grads = [torch.zeros(n, k, device=DEV) for _ in sizes]
+    w2 = w.clone().requires_grad_()
+    fp8.fp8_grouped_gemm(x, w2, sizes, recipe, main_grads=main_grads).backward(dy)
+    torch.testing.assert_close(torch.stack(main_grads), w1.grad.float(), rtol=0, atol=0)
+    assert w1.grad.abs().sum() > 0
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="captures a CUDA graph")
+def test_grouped_fp8_wgrad_in_place_per_expert_replays_in_a_cuda_graph():
+    """Inside a capture (planned at the eager warm-up call, as Megatron's warm-up runs make it) the
+    per-expert in-place GEMMs are recorded and each replay adds once more; an eager call after the
+    plan takes the grouped GEMM + _foreach_add_ (less host time), equal within dW's bf16 rounding."""
+    _grouped_capable()
+    _nvmath_or_skip()
+    fp8_wgrad._plans.clear()
+    torch.manual_seed(11)
+    sizes, n, k = [64, 64, 64, 64], 128, 256
+    offs = fp8.group_offsets(sizes, DEV)
+    groups = torch.repeat_interleave(torch.arange(4, device=DEV), torch.tensor(sizes, device=DEV))
+    dyt8, sdyt = fp8.quantize_group_columns(torch.randn(256, n, device=DEV), groups, 4, E4, offs, per_group=True)
+    xt8, sxt = fp8.quantize_group_columns(torch.randn(256, k, device=DEV), groups, 4, E4, offs, per_group=True)
+    main_grads = [torch.zeros(n, k, device=DEV) for _ in sizes]
+    run = lambda: fp8._experts_wgrad_into_main_grads(main_grads, dyt8, xt8, sdyt, sxt, offs, sizes, True)  # noqa: E731
+    report.reset_op_counts()
+    run()                                   # eager, first: plans and runs in place
+    once = torch.stack(main_grads).clone()
+    run()                                   # eager, planned: grouped GEMM + _foreach_add_
+    torch.testing.assert_close(torch.stack(main_grads), 2 * once, rtol=1e-2, atol=1e-2 * once.abs().max().item())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for mg in main_grads:
+        mg.zero_()
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(torch.stack(main_grads), 2 * once, rtol=1e-5, atol=1e-5 * once.abs().max().item())
+    paths = _wgrad_paths()
+    assert paths["experts: cuda.cublaslt(beta=1, nvmath) per expert"] == 2, paths
+    assert paths["experts: cuda.scaled_grouped_mm+main_grad._foreach_add_ (eager)"] == 1, paths
+
+
 @pytest.mark.skipif(fp8.triton is None, reason="Triton is not installed")
-@pytest.mark.parametrize("which", ["rows", "long rows", "group columns", "weight columns"])
+@pytest.mark.parametrize("which", ["rows", "long rows", "group columns", "group columns per expert",
+                                   "weight columns"])
 def test_grouped_quantizer_kernels_equal_the_pytorch_quantizers(which, monkeypatch):
     """The Triton quantizers of the grouped linear against the same math in PyTorch: the same
     scales (to an ulp of the reciprocal), every fp8 element equal to torch's cast (under the
@@ -571,12 +680,18 @@ def test_grouped_quantizer_kernels_equal_the_pytorch_quantizers(which, monkeypat
     run = {"rows": lambda: fp8.quantize_rowwise(w, E4),    # whole rows in one read
            "long rows": lambda: fp8.quantize_rowwise(long_rows, E4),   # two passes per row
            "group columns": lambda: fp8.quantize_group_columns(x, groups, len(sizes), E4, ends),
+           "group columns per expert": lambda: fp8.quantize_group_columns(x, groups, len(sizes), E4, ends, True),
            "weight columns": lambda: fp8.quantize_weight_columns(w, E4)}[which]
     got8, got_s = run()
     monkeypatch.setattr(fp8, "triton", None)            # the PyTorch path
     ref8, ref_s = run()
     assert got8.shape == ref8.shape and got8.dtype == ref8.dtype and got_s.shape == ref_s.shape
     torch.testing.assert_close(got_s, ref_s, rtol=1e-6, atol=0)
+    if which == "group columns per expert":   # one scale per expert, the amax of all its rows
+        per = ref_s.view(len(sizes), c)
+        assert torch.equal(per, per[:, :1].expand_as(per))
+        amax = x.float().abs().split(sizes)[2].amax()
+        torch.testing.assert_close(per[2, 0], amax / FP8_MAX[E4], rtol=1e-6, atol=0)
     got, ref = got8.float(), ref8.float()
     if DEV == "cuda":   # as the blockwise kernels' test: a scale an ulp off moves an element one step at most
         step = torch.where(ref != 0, ref.abs() * 2.0 ** -3, torch.full_like(ref, 2.0 ** -9))

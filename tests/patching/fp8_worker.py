@@ -215,6 +215,7 @@ def moe():
         m.load_state_dict(ref.state_dict(), strict=False)
         before = dict(report.op_counts().get("fp8_grouped_gemm", {}))
         accumulates = sum(report.op_counts().get("wgrad_accumulate", {}).values())
+        wgrad_paths = dict(report.op_counts().get("fp8_wgrad", {}))
         loss, grads = step(m, tokens, pos, labels, main_grad)
         after = report.op_counts().get("fp8_grouped_gemm", {})
         experts = m.decoder.layers[0].mlp.experts
@@ -226,6 +227,8 @@ def moe():
             "padding": type(experts.quantization_padding).__module__ if hasattr(experts, "quantization_padding")
                        else type(getattr(experts, "fp8_padding", None)).__module__,
             "calls": {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)},
+            "fp8_wgrad_paths": {k: v - wgrad_paths.get(k, 0) for k, v in report.op_counts().get("fp8_wgrad", {}).items()
+                                if v > wgrad_paths.get(k, 0) and k.startswith("experts")},
             "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
             "expert_grad_rel_max": max(rel(grads[n], ref_grads[n]) for n in expert_w),
             "expert_grads": len(expert_w),

@@ -134,6 +134,11 @@ class TestFp8ThroughMegatron:
             assert r["calls"] == {f"cpu.scaled_grouped_mm(e4m3, rowwise; recipe {recipe} read as rowwise)": 6}, r
             assert r["loss_rel"] < 2e-3, r
             assert r["expert_grads"] == 24 and 1e-3 < r["expert_grad_rel_max"] < 0.35, r
+        # with main_grad fusion (delayed here) the fp8 wgrad goes into main_grad in the backend: on
+        # CPU by the grouped GEMM's dW and one _foreach_add_ per linear (a GPU: cuBLASLt per expert)
+        assert res["moe_tensorwise"]["fp8_wgrad_paths"] == {}, res["moe_tensorwise"]
+        assert res["moe_delayed"]["fp8_wgrad_paths"] == {
+            "experts: cpu.scaled_grouped_mm+main_grad._foreach_add_ (tensors on cpu)": 6}, res["moe_delayed"]
         # --no-fp8-wgrad with main_grad fusion: fp8 forward and dgrad, the experts' bf16 weight
         # gradients added straight into main_grad (3 layers x 2 linears x 4 experts that got rows)
         r = res["moe_no_fp8_wgrad"]
