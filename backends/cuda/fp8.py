@@ -543,8 +543,8 @@ if triton is not None:
         return tl.where(ok, FP8_MAX / tl.where(ok, amax, 1.0), 1.0)
 
     @triton.jit
-    def _rows_kernel(x_ptr, y_ptr, s_ptr, skip_ptr, C, FP8_MAX: tl.constexpr, HAS_SKIP: tl.constexpr,
-                     BC: tl.constexpr):
+    def _rows_kernel(x_ptr, y_ptr, s_ptr, skip_ptr, a_ptr, C, FP8_MAX: tl.constexpr, HAS_SKIP: tl.constexpr,
+                     STORE_AMAX: tl.constexpr, BC: tl.constexpr):
         """One row of a contiguous [R, C]: its amax, then the cast with scale = FP8_MAX / amax."""
         if HAS_SKIP:   # a cached expert weight, recorded in a CUDA graph: cast only where the flag is 0
             if tl.load(skip_ptr) != 0:
@@ -554,7 +554,10 @@ if triton is not None:
         for c0 in range(0, C, BC):
             cols = c0 + tl.arange(0, BC)
             acc = tl.maximum(acc, tl.abs(tl.load(x_ptr + base + cols, mask=cols < C, other=0.0).to(tl.float32)))
-        s = _scale_from_amax(tl.max(acc, 0), FP8_MAX)
+        amax = tl.max(acc, 0)
+        if STORE_AMAX:   # the row's amax too (an expert's amax for its wgrad casts, without another read)
+            tl.store(a_ptr + tl.program_id(0), amax)
+        s = _scale_from_amax(amax, FP8_MAX)
         for c0 in range(0, C, BC):
             cols = c0 + tl.arange(0, BC)
             v = tl.load(x_ptr + base + cols, mask=cols < C, other=0.0).to(tl.float32)
@@ -563,8 +566,8 @@ if triton is not None:
         tl.store(s_ptr + tl.program_id(0), 1.0 / s)
 
     @triton.jit
-    def _rows_tile_kernel(x_ptr, y_ptr, s_ptr, skip_ptr, R, C, FP8_MAX: tl.constexpr, HAS_SKIP: tl.constexpr,
-                          BR: tl.constexpr, BC: tl.constexpr):
+    def _rows_tile_kernel(x_ptr, y_ptr, s_ptr, skip_ptr, a_ptr, R, C, FP8_MAX: tl.constexpr, HAS_SKIP: tl.constexpr,
+                          STORE_AMAX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         """BR whole rows (C <= BC) of a contiguous [R, C] in one read: each row's amax from the
         registers, then its cast with scale = FP8_MAX / amax."""
         if HAS_SKIP:
@@ -575,7 +578,10 @@ if triton is not None:
         m = (rows[:, None] < R) & (cols[None, :] < C)
         off = rows[:, None].to(tl.int64) * C + cols[None, :]
         x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
-        s = _scale_from_amax(tl.max(tl.abs(x), 1), FP8_MAX)
+        amax = tl.max(tl.abs(x), 1)
+        if STORE_AMAX:
+            tl.store(a_ptr + rows, amax, mask=rows < R)
+        s = _scale_from_amax(amax, FP8_MAX)
         y = tl.minimum(tl.maximum(x * s[:, None], -FP8_MAX), FP8_MAX)
         tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=m)
         tl.store(s_ptr + rows, 1.0 / s, mask=rows < R)
@@ -638,28 +644,31 @@ GROUP_COLUMN_PROGRAMS = 1024   # split each expert's rows until about this many 
 
 
 def _group_columns_triton(x, ends, num_groups, dtype, stride_oc, group_shift, out_shape, out=None, skip=None,
-                          per_group=False):
+                          per_group=False, group_amax=None):
     """Two launches over (expert, column block, row split): the amaxes, then the cast. Splitting an
     expert's rows keeps enough programs in flight at 8 experts (one program per expert and
     column block left a 2048-column tensor 256 programs: under half the copy bandwidth).
     out: (y, s_inv) to write (a weight cache); skip: a device flag, nonzero to leave them.
     per_group: each expert's column amaxes replaced by their max between the launches (one scale
-    per expert, still written per (expert, column))."""
+    per expert, still written per (expert, column)); group_amax [E]: those maxes, known already
+    (from the rowwise cast's row amaxes), so the amax launch and its read of x are skipped."""
     c = x.shape[1]
     y, s_inv = out if out is not None else (
         torch.empty(out_shape, dtype=dtype, device=x.device),
         torch.empty(num_groups * c, dtype=torch.float32, device=x.device))
     s_inv = s_inv.view(-1)
     flag = skip if skip is not None else s_inv
-    amax = torch.zeros(num_groups * c, dtype=torch.float32, device=x.device)
     bt, bc = (16, 16) if interpreting() else (64, 64)
     blocks = cdiv(c, bc)
     splits = max(1, min(16, GROUP_COLUMN_PROGRAMS // max(1, num_groups * blocks)))
     grid = (num_groups, blocks, splits)
-    _group_columns_amax_kernel[grid](x, amax, ends, flag, c, splits, HAS_SKIP=skip is not None, BT=bt, BC=bc,
-                                     num_warps=4)
+    if group_amax is None:
+        amax = torch.zeros(num_groups * c, dtype=torch.float32, device=x.device)
+        _group_columns_amax_kernel[grid](x, amax, ends, flag, c, splits, HAS_SKIP=skip is not None, BT=bt, BC=bc,
+                                         num_warps=4)
     if per_group:
-        amax = amax.view(num_groups, c).amax(1, keepdim=True).expand(num_groups, c).contiguous().view(-1)
+        amax = (group_amax if group_amax is not None else amax.view(num_groups, c).amax(1))
+        amax = amax.view(num_groups, 1).expand(num_groups, c).contiguous().view(-1)
     _group_columns_cast_kernel[grid](x, y, s_inv, amax, ends, flag, c, stride_oc, group_shift, splits,
                                      FP8_MAX=FP8_MAX[dtype], HAS_SKIP=skip is not None, BT=bt, BC=bc, num_warps=4)
     return y, s_inv
@@ -677,15 +686,17 @@ def _kept(out, made, skip):
     return out
 
 
-def quantize_rowwise(t: torch.Tensor, dtype: torch.dtype, out=None, skip=None):
+def quantize_rowwise(t: torch.Tensor, dtype: torch.dtype, out=None, skip=None, row_amax: bool = False):
     """t [..., C] -> (t8 [..., C] contiguous, scale_inv [...] fp32): one current scale per row (the
     amax of the row along C, the GEMM's reduction). One Triton pass on CUDA tensors.
-    out: (t8, scale_inv) to write (a weight cache); skip: a device flag, nonzero to leave them."""
+    out: (t8, scale_inv) to write (a weight cache); skip: a device flag, nonzero to leave them.
+    row_amax: also return each row's amax [...] fp32 (written by the same pass)."""
     if _triton_here(t):
         t = t.contiguous()
         y, s_inv = out if out is not None else (
             torch.empty(t.shape, dtype=dtype, device=t.device),
             torch.empty(t.shape[:-1], dtype=torch.float32, device=t.device))
+        amax = torch.empty(t.shape[:-1], dtype=torch.float32, device=t.device) if row_amax else s_inv
         flag = skip if skip is not None else s_inv
         c = t.shape[-1]
         r = t.numel() // c
@@ -694,36 +705,47 @@ def quantize_rowwise(t: torch.Tensor, dtype: torch.dtype, out=None, skip=None):
             br = max(1, min(ROWS_IN_ONE_READ // bc, triton.next_power_of_2(r)))
             if interpreting():
                 br = min(br, 4)
-            _rows_tile_kernel[(cdiv(r, br),)](t, y, s_inv, flag, r, c, FP8_MAX=FP8_MAX[dtype],
-                                              HAS_SKIP=skip is not None, BR=br, BC=bc,
+            _rows_tile_kernel[(cdiv(r, br),)](t, y, s_inv, flag, amax, r, c, FP8_MAX=FP8_MAX[dtype],
+                                              HAS_SKIP=skip is not None, STORE_AMAX=row_amax, BR=br, BC=bc,
                                               num_warps=8 if br * bc >= 4096 else 4)
         else:                        # longer rows: two passes over each row (the second from cache)
-            _rows_kernel[(r,)](t, y, s_inv, flag, c, FP8_MAX=FP8_MAX[dtype], HAS_SKIP=skip is not None,
-                               BC=32 if interpreting() else 1024, num_warps=4)
-        return y, s_inv
+            _rows_kernel[(r,)](t, y, s_inv, flag, amax, c, FP8_MAX=FP8_MAX[dtype], HAS_SKIP=skip is not None,
+                               STORE_AMAX=row_amax, BC=32 if interpreting() else 1024, num_warps=4)
+        return (y, s_inv, amax) if row_amax else (y, s_inv)
     fp8_max = FP8_MAX[dtype]
     tf = t.float()
-    scale = current_scale(tf.abs().amax(-1), fp8_max)
+    amax = tf.abs().amax(-1)
+    scale = current_scale(amax, fp8_max)
     t8 = (tf * scale[..., None]).clamp_(-fp8_max, fp8_max).to(dtype).contiguous()
-    return _kept(out, (t8, scale.reciprocal()), skip)
+    made = _kept(out, (t8, scale.reciprocal()), skip)
+    return (*made, amax) if row_amax else made
 
 
 def quantize_group_columns(t: torch.Tensor, groups: torch.Tensor, num_groups: int, dtype: torch.dtype,
-                           ends: torch.Tensor | None = None, per_group: bool = False):
+                           ends: torch.Tensor | None = None, per_group: bool = False,
+                           row_amax: torch.Tensor | None = None):
     """t [T, C], rows grouped by expert (groups [T] int64; ends: the int32 end offsets) -> (t8^T
     [C, T] contiguous, scale_inv [E * C] fp32): one scale per (expert, column), the amax over that
     expert's rows: the operand layout of the wgrad GEMM, whose reduction runs over each expert's
     tokens. per_group: one scale per expert instead (the amax of all its rows; TE's per-tensor
-    current scaling of each expert's GEMM), still written E * C. Two Triton launches (amaxes, then
-    the cast) on CUDA tensors."""
+    current scaling of each expert's GEMM), still written E * C. row_amax [T] (per_group only): each
+    row's amax, as quantize_rowwise(..., row_amax=True) gave it; the experts' amaxes are then its
+    maxes over their rows and t is read once, by the cast. Two Triton launches (amaxes, then the
+    cast) on CUDA tensors, one with row_amax."""
+    group_amax = None
+    if row_amax is not None:
+        group_amax = row_amax.new_zeros(num_groups).scatter_reduce_(0, groups, row_amax, "amax")
     if ends is not None and _triton_here(t):
         t = t.contiguous()
         return _group_columns_triton(t, ends, num_groups, dtype, t.shape[0], 0, (t.shape[1], t.shape[0]),
-                                     per_group=per_group)
+                                     per_group=per_group, group_amax=group_amax if per_group else None)
     fp8_max = FP8_MAX[dtype]
     tf = t.float()
-    amax = tf.new_zeros(num_groups, t.shape[1]).scatter_reduce_(
-        0, groups[:, None].expand(-1, t.shape[1]), tf.abs(), "amax")
+    if per_group and group_amax is not None:
+        amax = group_amax[:, None].expand(num_groups, t.shape[1])
+    else:
+        amax = tf.new_zeros(num_groups, t.shape[1]).scatter_reduce_(
+            0, groups[:, None].expand(-1, t.shape[1]), tf.abs(), "amax")
     if per_group:
         amax = amax.amax(1, keepdim=True).expand_as(amax)
     scale = current_scale(amax, fp8_max)
@@ -834,7 +856,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offs, groups, fp8_wgrad, cache, main_grads, sizes, static_sizes):
         e4m3 = torch.float8_e4m3fn
-        x8, sx = quantize_rowwise(x, e4m3)
+        x8, sx, ctx.x_amax = quantize_rowwise(x, e4m3, row_amax=True)   # row amaxes: the wgrad's x cast
         (w8, sw), ctx.dgrad_weight = quantize_expert_weights(w, e4m3, cache)
         y = _grouped_scaled_mm(x8, w8.transpose(-2, -1), sx, sw, offs, torch.bfloat16, True).to(x.dtype)
         # the stacked weight only for a dgrad operand cast in the backward (no cache)
@@ -848,9 +870,10 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         x, w, offs, groups = ctx.saved_tensors
         e4m3 = torch.float8_e4m3fn
         dy = dy.contiguous()
-        dx = dw = None
+        dx = dw = dy_amax = None
+        x_amax, ctx.x_amax = ctx.x_amax, None
         if ctx.needs_input_grad[0]:
-            dy8, sdy = quantize_rowwise(dy, e4m3)
+            dy8, sdy, dy_amax = quantize_rowwise(dy, e4m3, row_amax=True)
             # [E, in, out], per (expert, in): the cache's, else cast now
             wt8, swt = ctx.dgrad_weight or quantize_weight_columns(w, e4m3)
             dx = _grouped_scaled_mm(dy8, wt8.transpose(-2, -1), sdy, swt, offs, torch.bfloat16, False).to(dy.dtype)
@@ -859,8 +882,8 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         main_grads, ctx.main_grads = ctx.main_grads, None
         if ctx.needs_input_grad[1]:
             if ctx.fp8_wgrad:
-                dyt8, sdyt = quantize_group_columns(dy, groups, shape[0], e4m3, offs, per_group=True)  # [out, T]
-                xt8, sxt = quantize_group_columns(x, groups, shape[0], e4m3, offs, per_group=True)     # [in, T]
+                dyt8, sdyt = quantize_group_columns(dy, groups, shape[0], e4m3, offs, True, dy_amax)  # [out, T]
+                xt8, sxt = quantize_group_columns(x, groups, shape[0], e4m3, offs, True, x_amax)      # [in, T]
                 if main_grads is not None:
                     _experts_wgrad_into_main_grads(main_grads, dyt8, xt8, sdyt, sxt, offs, ctx.sizes,
                                                    ctx.static_sizes)

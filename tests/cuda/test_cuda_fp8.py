@@ -564,6 +564,31 @@ def _wgrad_paths():
     return {k: v for k, v in report.op_counts().get("fp8_wgrad", {}).items() if k.startswith("experts")}
 
 
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_row_amaxes_give_the_per_expert_cast_bit_for_bit(path, monkeypatch):
+    """The rowwise cast's row amaxes (quantize_rowwise(..., row_amax=True), the forward's x and the
+    dgrad's dy) stand in for the per-expert amax launch of the wgrad's cast: the same fp8 tensor and
+    scales to the bit, long rows (the two-pass kernel) too; the row amaxes equal |t|.amax(-1)."""
+    if path == "triton" and (fp8.triton is None or (DEV == "cpu" and not fp8.interpreting())):
+        pytest.skip("the Triton kernels run on CPU under TRITON_INTERPRET=1 only")
+    if path == "torch":
+        monkeypatch.setattr(fp8, "triton", None)
+    torch.manual_seed(12)
+    for sizes, c in (([40, 0, 16, 24], 80), ([3, 0, 2], fp8.ROWS_IN_ONE_READ + 48)):
+        ends = torch.tensor(sizes, device=DEV).cumsum(0).to(torch.int32)
+        groups = torch.repeat_interleave(torch.arange(len(sizes), device=DEV), torch.tensor(sizes, device=DEV))
+        x = torch.randn(sum(sizes), c, device=DEV, dtype=torch.bfloat16) * 3
+        x[3, 5] = -70.0                                       # one expert's amax from one element
+        x8, sx, amax = fp8.quantize_rowwise(x, E4, row_amax=True)
+        assert torch.equal(amax, x.float().abs().amax(-1))
+        assert all(torch.equal(a, b) for a, b in zip((x8, sx), fp8.quantize_rowwise(x, E4)))
+        if c > 80:   # the long rows' kernel checked above; the column cast does not depend on row length
+            continue
+        got = fp8.quantize_group_columns(x, groups, len(sizes), E4, ends, True, amax)
+        ref = fp8.quantize_group_columns(x, groups, len(sizes), E4, ends, True)
+        assert torch.equal(got[0].float(), ref[0].float()) and torch.equal(got[1], ref[1])
+
+
 @pytest.mark.parametrize("in_place", [False, True])
 def test_grouped_fp8_wgrad_goes_into_the_experts_main_grads(torch_cast_on_cpu, monkeypatch, in_place):
     """Given main_grads (Megatron's gradient-accumulation fusion), each expert's fp8 wgrad is added
@@ -663,7 +688,7 @@ def test_grouped_fp8_wgrad_in_place_per_expert_replays_in_a_cuda_graph():
 
 @pytest.mark.skipif(fp8.triton is None, reason="Triton is not installed")
 @pytest.mark.parametrize("which", ["rows", "long rows", "group columns", "group columns per expert",
-                                   "weight columns"])
+                                   "group columns per expert, from row amaxes", "weight columns"])
 def test_grouped_quantizer_kernels_equal_the_pytorch_quantizers(which, monkeypatch):
     """The Triton quantizers of the grouped linear against the same math in PyTorch: the same
     scales (to an ulp of the reciprocal), every fp8 element equal to torch's cast (under the
@@ -681,13 +706,15 @@ def test_grouped_quantizer_kernels_equal_the_pytorch_quantizers(which, monkeypat
            "long rows": lambda: fp8.quantize_rowwise(long_rows, E4),   # two passes per row
            "group columns": lambda: fp8.quantize_group_columns(x, groups, len(sizes), E4, ends),
            "group columns per expert": lambda: fp8.quantize_group_columns(x, groups, len(sizes), E4, ends, True),
+           "group columns per expert, from row amaxes": lambda: fp8.quantize_group_columns(
+               x, groups, len(sizes), E4, ends, True, fp8.quantize_rowwise(x, E4, row_amax=True)[2]),
            "weight columns": lambda: fp8.quantize_weight_columns(w, E4)}[which]
     got8, got_s = run()
     monkeypatch.setattr(fp8, "triton", None)            # the PyTorch path
     ref8, ref_s = run()
     assert got8.shape == ref8.shape and got8.dtype == ref8.dtype and got_s.shape == ref_s.shape
     torch.testing.assert_close(got_s, ref_s, rtol=1e-6, atol=0)
-    if which == "group columns per expert":   # one scale per expert, the amax of all its rows
+    if which.startswith("group columns per expert"):   # one scale per expert, the amax of all its rows
         per = ref_s.view(len(sizes), c)
         assert torch.equal(per, per[:, :1].expand_as(per))
         amax = x.float().abs().split(sizes)[2].amax()
