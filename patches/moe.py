@@ -360,15 +360,11 @@ def _grouped_linear_classes(backend):
                         x.detach(), splits, wgrad_accumulate, *weights)
                 elif recipe is None:
                     out = grouped_gemm(x, _StackExpertWeights.apply(fuse, *weights), m_splits, True)
-                elif fuse:   # the fp8 wgrad added into the experts' main_grad by the backend
-                    stacked = _StackExpertWeights.apply(_StackExpertWeights.ADDED, *weights)
-                    out = self._fp8_gemm(x, stacked, m_splits, recipe, self._weight_cache(weights),
-                                         main_grads=[w.main_grad for w in weights],
-                                         static_sizes=bool(getattr(self.config, "moe_pad_expert_input_to_capacity",
-                                                                   False)))
-                else:
-                    stacked = _StackExpertWeights.apply(fuse, *weights)
-                    out = self._fp8_gemm(x, stacked, m_splits, recipe, self._weight_cache(weights))
+                else:   # with fuse the fp8 wgrad is added into the experts' main_grad by the backend
+                    into = dict(main_grads=[w.main_grad for w in weights], static_sizes=bool(
+                        getattr(self.config, "moe_pad_expert_input_to_capacity", False))) if fuse else {}
+                    stacked = _StackExpertWeights.apply(_StackExpertWeights.ADDED if fuse else False, *weights)
+                    out = self._fp8_gemm(x, stacked, m_splits, recipe, self._weight_cache(weights), **into)
             if not self.use_bias:
                 return out, None
             biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]

@@ -732,25 +732,28 @@ def quantize_group_columns(t: torch.Tensor, groups: torch.Tensor, num_groups: in
     row's amax, as quantize_rowwise(..., row_amax=True) gave it; the experts' amaxes are then its
     maxes over their rows and t is read once, by the cast. Two Triton launches (amaxes, then the
     cast) on CUDA tensors, one with row_amax."""
-    group_amax = None
-    if row_amax is not None:
-        group_amax = row_amax.new_zeros(num_groups).scatter_reduce_(0, groups, row_amax, "amax")
+    group_amax = (_group_max(row_amax, groups, num_groups) if per_group and row_amax is not None else None)
     if ends is not None and _triton_here(t):
         t = t.contiguous()
         return _group_columns_triton(t, ends, num_groups, dtype, t.shape[0], 0, (t.shape[1], t.shape[0]),
-                                     per_group=per_group, group_amax=group_amax if per_group else None)
+                                     per_group=per_group, group_amax=group_amax)
     fp8_max = FP8_MAX[dtype]
     tf = t.float()
-    if per_group and group_amax is not None:
+    if per_group:
+        if group_amax is None:
+            group_amax = _group_max(tf.abs().amax(-1), groups, num_groups)
         amax = group_amax[:, None].expand(num_groups, t.shape[1])
     else:
         amax = tf.new_zeros(num_groups, t.shape[1]).scatter_reduce_(
             0, groups[:, None].expand(-1, t.shape[1]), tf.abs(), "amax")
-    if per_group:
-        amax = amax.amax(1, keepdim=True).expand_as(amax)
     scale = current_scale(amax, fp8_max)
     t8 = (tf * scale.index_select(0, groups)).clamp_(-fp8_max, fp8_max).to(dtype)
     return t8.t().contiguous(), scale.reciprocal().reshape(-1)
+
+
+def _group_max(row_values, groups, num_groups):
+    """[E] fp32: the max of each group's rows of row_values [T] (0 for an empty group)."""
+    return row_values.new_zeros(num_groups).scatter_reduce_(0, groups, row_values, "amax")
 
 
 def quantize_weight_columns(w: torch.Tensor, dtype: torch.dtype, out=None, skip=None):
@@ -836,8 +839,7 @@ def _experts_wgrad_into_main_grads(main_grads, dyt8, xt8, sdyt, sxt, offs, sizes
     report.ran("fp8_wgrad", f"experts: {dyt8.device.type}.scaled_grouped_mm+main_grad._foreach_add_"
                             f" ({fp8_wgrad.short(why)})")
     fp8_wgrad.say_if_missing(why)
-    dw = _grouped_scaled_mm(dyt8, xt8.t(), sdyt, sxt, offs, torch.bfloat16, False)
-    torch._foreach_add_(list(main_grads), list(dw.unbind(0)))
+    _add_into(main_grads, _grouped_scaled_mm(dyt8, xt8.t(), sdyt, sxt, offs, torch.bfloat16, False))
 
 
 class _Fp8GroupedLinear(torch.autograd.Function):
@@ -887,7 +889,6 @@ class _Fp8GroupedLinear(torch.autograd.Function):
                 if main_grads is not None:
                     _experts_wgrad_into_main_grads(main_grads, dyt8, xt8, sdyt, sxt, offs, ctx.sizes,
                                                    ctx.static_sizes)
-                    main_grads, dw = None, torch.empty(shape, dtype=w_dtype, device=dy.device)
                 else:
                     dw = _grouped_scaled_mm(dyt8, xt8.t(), sdyt, sxt, offs, torch.bfloat16, False).to(w_dtype)
             elif dy.is_cuda and dy.dtype == torch.bfloat16:
@@ -895,16 +896,16 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             else:
                 ends = [0] + offs.tolist()
                 dw = torch.stack([dy[a:b].t().float() @ x[a:b].float() for a, b in zip(ends, ends[1:])]).to(w_dtype)
-            if main_grads is not None:   # a high-precision dW (--no-fp8-wgrad) into the buffers too
-                dw = _into_main_grads(dw, main_grads)
+            if main_grads is not None:   # w's gradient is in the buffers: a placeholder stands for it
+                if dw is not None:       # a high-precision dW (--no-fp8-wgrad)
+                    _add_into(main_grads, dw)
+                dw = torch.empty(shape, dtype=w_dtype, device=dy.device)
         return dx, dw, None, None, None, None, None, None, None
 
 
-def _into_main_grads(dw, main_grads):
-    """dW [E, out, in] added into the experts' main_grads by one `_foreach_add_`; returns the
-    unwritten placeholder that stands for w's gradient (main_grads' protocol above)."""
+def _add_into(main_grads, dw):
+    """dW [E, out, in] added into the experts' main_grads by one `_foreach_add_`."""
     torch._foreach_add_(list(main_grads), list(dw.unbind(0)))
-    return torch.empty_like(dw)
 
 
 class _IntoMainGrads(torch.autograd.Function):
@@ -919,7 +920,8 @@ class _IntoMainGrads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dw):
         main_grads, ctx.main_grads = ctx.main_grads, None
-        return _into_main_grads(dw, main_grads), None
+        _add_into(main_grads, dw)
+        return torch.empty_like(dw), None
 
 
 def fp8_grouped_gemm(x, w, tokens_per_expert, recipe, weight_cache: Fp8WeightCache | None = None,

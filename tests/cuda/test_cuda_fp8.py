@@ -553,6 +553,16 @@ def test_grouped_unaligned_rows_fall_back_reported():
     assert fb and "expert row counts [24] not multiples of 16" in fb[-1]["fallback_reason"], fb
 
 
+def _grouped_inputs(seed, sizes, n, k):
+    """x [T, k] and the stacked weight w [E, n, k] (both bf16, requiring grad) and dy [T, n] for a
+    grouped-linear test, drawn in that order after torch.manual_seed(seed)."""
+    torch.manual_seed(seed)
+    x = torch.randn(sum(sizes), k, device=DEV).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(len(sizes), n, k, device=DEV) * 0.05).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(sum(sizes), n, device=DEV).to(torch.bfloat16)
+    return x, w, dy
+
+
 def _stand_in_for_cublaslt(monkeypatch):
     """On CPU: the in-place per-expert path taken, its GEMM the same math (the protocol is tested)."""
     monkeypatch.setattr(fp8_wgrad, "experts_why_not", lambda gemms, static_sizes: None)
@@ -604,11 +614,8 @@ def test_grouped_fp8_wgrad_goes_into_the_experts_main_grads(torch_cast_on_cpu, m
         _stand_in_for_cublaslt(monkeypatch)
     elif in_place:
         _nvmath_or_skip()
-    torch.manual_seed(9)
     sizes, n, k = [32, 0, 48, 16], 64, 96
-    x = torch.randn(sum(sizes), k, device=DEV).to(torch.bfloat16).requires_grad_()
-    w = (torch.randn(len(sizes), n, k, device=DEV) * 0.05).to(torch.bfloat16).requires_grad_()
-    dy = torch.randn(sum(sizes), n, device=DEV).to(torch.bfloat16)
+    x, w, dy = _grouped_inputs(9, sizes, n, k)
     y = fp8.fp8_grouped_gemm(x, w, sizes, Fp8Recipe())
     y.backward(dy)
     ref = w.grad.float()
@@ -915,11 +922,8 @@ def test_grouped_weight_cache_casts_at_the_first_micro_batch_and_reuses_it_after
     from megatron_adapt.backends.fp8_scaling import Fp8WeightCache
 
     _grouped_capable()
-    torch.manual_seed(7)
     sizes, n, k = [32, 16, 0, 48], 64, 96
-    x = torch.randn(sum(sizes), k, device=DEV).to(torch.bfloat16).requires_grad_()
-    w = (torch.randn(len(sizes), n, k, device=DEV) * 0.05).to(torch.bfloat16).requires_grad_()
-    dy = torch.randn(sum(sizes), n, device=DEV).to(torch.bfloat16)
+    x, w, dy = _grouped_inputs(7, sizes, n, k)
 
     def run(weight, cache):
         x.grad = weight.grad = None
