@@ -15,6 +15,10 @@ Recipes (a tensor x is cast as `saturate(x * scale)` and the GEMM multiplies by 
   end) and zeroes row 0, then sets scale = fp8_max / amax / 2^margin where amax is finite and > 0
   (otherwise the scale is kept; an infinite one becomes the largest fp32). `interval` > 1
   recomputes the scale every `interval`-th update only (the history rolls every update).
+  With an amax reduction group (Megatron's `get_amax_reduction_group`, which its fp8 context hands
+  TE as `fp8_group`), each update first all-reduces the current row (MAX) over that group, as TE's
+  `DelayedScaling(reduce_amax=True)` does, so every rank of a layer's tensor-, data- and
+  context-parallel group casts with the same scales and saves the same state.
 
 - `blockwise` (TE's Float8BlockScaling, DeepSeek-V3's): current scaling per block, a scale for
   every 1 x 128 run of an activation or gradient along the GEMM's reduction dimension and for every
@@ -28,6 +32,8 @@ import io
 from dataclasses import dataclass
 
 import torch
+
+from megatron_adapt import report
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 FORMATS = ("e4m3", "hybrid")
@@ -92,6 +98,7 @@ class Fp8Scaling:
         self.scale = {"fwd": torch.ones(2, device=device), "bwd": torch.ones(1, device=device)}
         self.updates = {"fwd": 0, "bwd": 0}
         self.recomputing = False
+        self.amax_group = None    # a torch.distributed group to all-reduce amaxes over (delayed)
 
     def recomputed(self, fwd_scale: torch.Tensor) -> "Fp8Scaling":
         """This state as a recomputed forward sees it (TE's checkpoint rule): forward scales
@@ -99,6 +106,7 @@ class Fp8Scaling:
         no forward update; the backward's history, scales and counters are this state's own."""
         view = Fp8Scaling.__new__(Fp8Scaling)
         view.recipe, view.updates, view.recomputing = self.recipe, self.updates, True
+        view.amax_group = self.amax_group
         view.amax_history = {"fwd": torch.zeros_like(self.amax_history["fwd"]), "bwd": self.amax_history["bwd"]}
         view.scale = {"fwd": fwd_scale, "bwd": self.scale["bwd"]}
         return view
@@ -118,11 +126,26 @@ class Fp8Scaling:
         row = self.amax_history[direction][0, slot:slot + 1]
         torch.maximum(row, amax.float().reshape(1), out=row)
 
+    def reduce_amax(self, direction: str) -> None:
+        """The current row's amaxes, all-reduced (MAX) over `amax_group` where it has more than one
+        rank (TE's reduce_amax); the first step of every update, so each rank calls it in the same
+        order (the group's ranks hold the same layers)."""
+        group = self.amax_group
+        if group is None:
+            return
+        import torch.distributed as dist
+
+        ranks = dist.get_world_size(group)
+        if ranks > 1:
+            dist.all_reduce(self.amax_history[direction][0], op=dist.ReduceOp.MAX, group=group)
+            report.ran("fp8_amax_reduction", f"all_reduce(MAX) over {ranks} ranks (Megatron's amax reduction group)")
+
     def update(self, direction: str) -> None:
-        """Delayed scaling, after a step: amax from the history, roll, new scales (TE's order).
-        A recomputed forward makes none (recomputed())."""
+        """Delayed scaling, after a step: amax reduction over the group, amax from the history,
+        roll, new scales (TE's order). A recomputed forward makes none (recomputed())."""
         if direction == "fwd" and self.recomputing:
             return
+        self.reduce_amax(direction)
         hist, scale, r = self.amax_history[direction], self.scale[direction], self.recipe
         amax = hist.max(dim=0).values if r.amax_compute_algo == "max" else hist[0].clone()
         if hist.shape[0] > 1:

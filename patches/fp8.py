@@ -22,7 +22,9 @@ in bf16 and say nothing. This area makes that impossible:
   communication through Megatron's own mappings (sequence-parallel all-gather / reduce-scatter,
   dgrad all-reduce), gradient-accumulation fusion into `main_grad` with Megatron's
   `grad_added_to_main_grad` protocol. Delayed-scaling state (amax histories, scales) is kept per
-  linear and saved in its `_extra_state`, as TE's modules keep theirs. With `config.fp8` unset the
+  linear and saved in its `_extra_state`, as TE's modules keep theirs; each update all-reduces the
+  amaxes over the group Megatron's context names (`get_amax_reduction_group`, TE's fp8_group), as
+  TE's reduce_amax does, so the ranks of a layer agree on its scales. With `config.fp8` unset the
   provider builds Megatron's own classes, unchanged but for a load hook that says once that an fp8
   checkpoint's scaling state is ignored; an fp8 linear loading a checkpoint saved without fp8 says
   once that it starts with fresh scaling state.
@@ -168,21 +170,40 @@ start_checks.register("fp8", "fp8", from_args=_args_check, from_config=_config_c
 
 
 # ---------------------------------------------------------------- the fp8 context
-_active: list = [None]       # the recipe of the innermost fp8 context, None outside / in bf16 layers
+_active: list = [(None, None)]   # (recipe, amax reduction group) of the innermost fp8 context;
+                                 # recipe None outside / in bf16 layers
 
 
 def active_recipe():
-    return _active[-1]
+    return _active[-1][0]
+
+
+def active_amax_group():
+    """The innermost fp8 context's amax reduction group (TE's fp8_group), None where it has none."""
+    return _active[-1][1]
 
 
 @contextlib.contextmanager
-def fp8_autocast(recipe):
-    """fp8 on for megatron-adapt's linears inside (what TE's fp8_autocast is to TE's modules)."""
-    _active.append(recipe)
+def fp8_autocast(recipe, amax_group=None):
+    """fp8 on for megatron-adapt's linears inside (what TE's fp8_autocast is to TE's modules);
+    delayed scaling all-reduces its amaxes over `amax_group` (TE's fp8_group)."""
+    _active.append((recipe, amax_group))
     try:
         yield
     finally:
         _active.pop()
+
+
+def amax_reduction_group(config):
+    """The group Megatron's get_fp8_context hands TE's fp8_autocast as fp8_group: tensor, data and
+    context parallel ranks (`--tp-only-amax-red`: tensor and context parallel), None before
+    Megatron's model parallel state exists."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_amax_reduction_group(
+        with_context_parallel=True, tp_only_amax_red=bool(getattr(config, "tp_only_amax_red", False)))
 
 
 def recipe_from_config(config):
@@ -212,7 +233,7 @@ def build_get_fp8_context(backend, original):
         recipe = recipe_from_config(config)
         if config.first_last_layers_bf16 and recipe.recipe == "delayed":
             raise ValueError("Delayed scaling does not support first / last layer in BF16.")  # Megatron's rule
-        return fp8_autocast(recipe)
+        return fp8_autocast(recipe, amax_reduction_group(config) if recipe.recipe == "delayed" else None)
     return get_fp8_context
 
 
@@ -342,6 +363,7 @@ def fp8_variant(base, backend):
             from megatron.core.tensor_parallel.mappings import (
                 copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region)
 
+            self.fp8_scaling.amax_group = active_amax_group()
             scaling = _recompute_view(self, self.fp8_scaling)
             if scaling.recipe != recipe:
                 raise ValueError(f"fp8 context recipe {recipe} differs from the one this linear was "
@@ -429,13 +451,13 @@ def te_checkpoint(forward_func, distribute_saved_activations, get_rng_state_trac
     kwargs go to forward_func on both runs, as with TE."""
     from megatron.core import tensor_parallel
 
-    recipe, scales, forward_done = active_recipe(), {}, [False]
+    context, scales, forward_done = _active[-1], {}, [False]
     report.ran("te_checkpoint", "Megatron's checkpoint, recompute in the forward's fp8 context")
 
     def run(*inputs):
         phase = _replaying if forward_done[0] else _saving   # Megatron's checkpoint: forward, then recompute
         forward_done[0] = True
-        with fp8_autocast(recipe), _entered(phase, scales):
+        with fp8_autocast(*context), _entered(phase, scales):
             return forward_func(*inputs, **kwargs)
     return tensor_parallel.checkpoint(run, distribute_saved_activations, *args)
 

@@ -141,6 +141,7 @@ def _delayed_update(scaling: Fp8Scaling, direction: str) -> None:
     if not _triton_here(hist) or (direction == "fwd" and scaling.recomputing):
         scaling.update(direction)
         return
+    scaling.reduce_amax(direction)   # over Megatron's amax reduction group, where it has > 1 rank
     scaling.updates[direction] += 1
     set_scale = (scaling.updates[direction] - 1) % r.interval == 0
     n, k = hist.shape
