@@ -7,6 +7,7 @@ nccl process groups and CUDA streams on its path. Rather than edit each site, th
 * replaces a small set of `torch.cuda` entry points (device queries, streams, events, synchronize,
   memory statistics, RNG, nvtx) with CPU answers;
 * maps nccl process groups to gloo (`init_process_group`, `new_group`) and drops `device_id`s;
+  gloo groups connect at their first collective, as NCCL's communicators do (TORCH_GLOO_LAZY_INIT);
 * pushes one TorchFunctionMode that rewrites any CUDA device argument to the CPU, makes
   `Tensor.cuda()` / `pin_memory()` identities and `Tensor.type()` report `torch.cuda.*` names;
 * keeps oneDNN off AMX where the CPU advertises AMX but executing it faults (some VMs, e.g.
@@ -492,6 +493,14 @@ def install() -> None:
     if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
         _saved.append((os.environ, "CUDA_DEVICE_MAX_CONNECTIONS", None, False))
+    # NCCL makes a group's communicator at the group's first collective; gloo connects every member
+    # inside new_group unless told to wait. Megatron's code is written against NCCL's way: its own
+    # tests create groups with rank lists that differ between ranks (test_schedules.py's embedding
+    # groups, one pipeline per data-parallel rank) and gloo's eager connect hangs on them. A user's
+    # own TORCH_GLOO_LAZY_INIT wins.
+    if "TORCH_GLOO_LAZY_INIT" not in os.environ:
+        os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+        _saved.append((os.environ, "TORCH_GLOO_LAZY_INIT", None, False))
     _guard_amx()
     _mode = CudaOnCpuMode()
     _mode.__enter__()
