@@ -617,7 +617,10 @@ TE_CLASS_MODULES = {UT + "models/mimo/test_mimo_1f1b_schedule.py",
                     # TE-named linears' initialisation at TP1 against TP4 (the provider's classes)
                     UT + "tensor_parallel/test_initialization.py",
                     # checks the hybrid spec's MLA core attention against the TEDotProductAttention it imports
-                    UT + "ssm/test_hybrid_block.py"}
+                    UT + "ssm/test_hybrid_block.py",
+                    # SequentialMLP's experts from TEColumnParallelLinear / TERowParallelLinear against the
+                    # local linears (TP 2 x EP 2: a [ranks] skip below 4 ranks)
+                    UT + "transformer/moe/test_sequential_mlp.py"}
 
 
 def _rank() -> int:
