@@ -32,6 +32,7 @@ import io
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megatron_adapt import report
 
@@ -127,18 +128,16 @@ class Fp8Scaling:
         torch.maximum(row, amax.float().reshape(1), out=row)
 
     def reduce_amax(self, direction: str) -> None:
-        """The current row's amaxes, all-reduced (MAX) over `amax_group` where it has more than one
-        rank (TE's reduce_amax); the first step of every update, so each rank calls it in the same
-        order (the group's ranks hold the same layers)."""
+        """The current row's amaxes, all-reduced (MAX) over `amax_group` (TE's reduce_amax); the
+        first step of every update, so each rank calls it in the same order (the group's ranks hold
+        the same layers). The group is None where there is nothing to reduce (patches/fp8.py's
+        amax_reduction_group gives no 1-rank groups)."""
         group = self.amax_group
         if group is None:
             return
-        import torch.distributed as dist
-
-        ranks = dist.get_world_size(group)
-        if ranks > 1:
-            dist.all_reduce(self.amax_history[direction][0], op=dist.ReduceOp.MAX, group=group)
-            report.ran("fp8_amax_reduction", f"all_reduce(MAX) over {ranks} ranks (Megatron's amax reduction group)")
+        dist.all_reduce(self.amax_history[direction][0], op=dist.ReduceOp.MAX, group=group)
+        report.ran("fp8_amax_reduction",
+                   f"all_reduce(MAX) over {dist.get_world_size(group)} ranks (Megatron's amax reduction group)")
 
     def update(self, direction: str) -> None:
         """Delayed scaling, after a step: amax reduction over the group, amax from the history,

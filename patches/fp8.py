@@ -196,14 +196,16 @@ def fp8_autocast(recipe, amax_group=None):
 
 def amax_reduction_group(config):
     """The group Megatron's get_fp8_context hands TE's fp8_autocast as fp8_group: tensor, data and
-    context parallel ranks (`--tp-only-amax-red`: tensor and context parallel), None before
-    Megatron's model parallel state exists."""
+    context parallel ranks (`--tp-only-amax-red`: tensor and context parallel). None before
+    Megatron's model parallel state exists, and for a group of one rank (one GPU), which has
+    nothing to reduce: the linears' updates then ask nothing of torch.distributed."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
         return None
-    return parallel_state.get_amax_reduction_group(
+    group = parallel_state.get_amax_reduction_group(
         with_context_parallel=True, tp_only_amax_red=bool(getattr(config, "tp_only_amax_red", False)))
+    return group if group is not None and torch.distributed.get_world_size(group) > 1 else None
 
 
 def recipe_from_config(config):

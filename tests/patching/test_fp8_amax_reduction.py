@@ -83,13 +83,37 @@ class TestAmaxReduction:
         assert [r["reduced"]["losses"][0] for r in res["ranks"]] == [r["unreduced"]["losses"][0] for r in res["ranks"]]
 
     def test_tp_only_amax_red_reduces_over_tensor_parallel_ranks_only(self, layout, interpret):
-        """Megatron's `--tp-only-amax-red`: at data parallel 2 the group is one rank (nothing to
-        reduce: the unreduced run, to the bit); at tensor parallel 2 it is the whole reduced group."""
+        """Megatron's `--tp-only-amax-red`: at data parallel 2 the group is one rank, which the
+        linears are not given (nothing to reduce: the unreduced run, to the bit); at tensor parallel 2
+        it is the whole reduced group."""
         res = result(layout, interpret)
         same_as = "unreduced" if layout == "dp2" else "reduced"
         for rank in res["ranks"]:
             for name, s in rank["tp_only"]["state"].items():
-                assert s["group_size"] == (1 if layout == "dp2" else 2), (name, s)
+                assert s["group_size"] == (0 if layout == "dp2" else 2), (name, s)
                 want = dict(rank[same_as]["state"][name], group_size=s["group_size"])
                 assert s == want, name
             assert rank["tp_only"]["losses"] == rank[same_as]["losses"]
+
+
+def test_one_rank_group_is_not_handed_to_the_linears():
+    """On one GPU Megatron's amax reduction group has one rank: `amax_reduction_group` gives None,
+    so the linears' updates ask nothing of torch.distributed; at 2 ranks (above) it is the group."""
+    code = f"""
+import os, torch
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{_free_port()}", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import megatron_adapt
+megatron_adapt.apply("cpu", quiet=True)
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron_adapt.patches import fp8 as fp8_patch
+class Config: tp_only_amax_red = False
+print("BEFORE", fp8_patch.amax_reduction_group(Config()))
+dist.init_process_group("gloo")
+parallel_state.initialize_model_parallel(1, 1)
+megatrons = parallel_state.get_amax_reduction_group(with_context_parallel=True)
+print("MEGATRON", dist.get_world_size(megatrons))
+print("OURS", fp8_patch.amax_reduction_group(Config()))
+"""
+    out = run_python(code, timeout=300).stdout
+    assert "BEFORE None" in out and "MEGATRON 1" in out and "OURS None" in out, out
