@@ -67,15 +67,21 @@ def build_set_states(backend, original):
     return _set_main_param_and_optimizer_states
 
 
+_NO_PARAMETER_KEY = "megatron_adapt: step of a rank that owns no parameter"
+
+
 @contextlib.contextmanager
 def _temporary_steps(inner, state):
-    """While Megatron's state_dict reads them: a `{"step": 0}` entry for the first parameter when
-    the state is empty, and a step for each state without one (the step another state holds, else
-    the group's, else 0). All removed afterwards."""
+    """While Megatron's state_dict reads them: a `{"step": 0}` entry for the first parameter (or,
+    on a rank that owns none, under a non-tensor key) when the state is empty, and a step for each
+    state without one (the step another state holds, else the group's, else 0). All removed
+    afterwards."""
     if len(state) == 0:
+        # A data-parallel rank can own no parameter at all (a small model split over many ranks):
+        # torch's state_dict keeps a non-tensor key as it is, so the step entry goes under one.
         first = next((p for group in inner.param_groups for p in group["params"]), None)
-        targets = [] if first is None else [state.setdefault(first, {})]
-        created = first
+        created = _NO_PARAMETER_KEY if first is None else first
+        targets = [state.setdefault(created, {})]
     else:
         targets = [s for s in state.values() if s and "step" not in s]
         created = None

@@ -442,8 +442,23 @@ def _():
     template = dist_opt.state_dict()  # what Megatron builds on --load before reading the checkpoint
     out = {"original_fails_on_fresh_optimizer": original_fails, "ours_returns_template": isinstance(template, dict),
            "inner_state_untouched": len(dist_opt.optimizer.state) == 0}
-    # FusedAdam-style states (Megatron's init_state_fn before a sharded load: no per-parameter step)
+    # a data-parallel rank that owns no parameter (a small model over many ranks, e.g. Megatron's
+    # test_optimizer_resharding at DP 2 of 8 ranks): its inner groups are empty, and so is its state
     inner = dist_opt.optimizer
+    kept = [group["params"] for group in inner.param_groups]
+    for group in inner.param_groups:
+        group["params"] = []
+    try:
+        original("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict")(dist_opt)
+        out["original_fails_owning_nothing"] = False
+    except AssertionError:
+        out["original_fails_owning_nothing"] = True
+    steps = [g["step"] for g in dist_opt.state_dict()["optimizer"]["param_groups"]]
+    out["owning_nothing_steps"] = sorted(set(float(s) for s in steps))
+    out["owning_nothing_untouched"] = len(inner.state) == 0
+    for group, params in zip(inner.param_groups, kept):
+        group["params"] = params
+    # FusedAdam-style states (Megatron's init_state_fn before a sharded load: no per-parameter step)
     for group in inner.param_groups:
         for p in group["params"]:
             inner.state[p]["exp_avg"], inner.state[p]["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)

@@ -205,6 +205,9 @@ class TestCheckpointing(PatchContract):
         res = consumer("checkpointing")
         assert res == {"original_fails_on_fresh_optimizer": True, "ours_returns_template": True,
                        "inner_state_untouched": True,
+                       # a rank that owns no parameter: step 0, and no state left behind
+                       "original_fails_owning_nothing": True, "owning_nothing_steps": [0.0],
+                       "owning_nothing_untouched": True,
                        # states without a per-parameter step (Megatron's init_state_fn): step 0,
                        # the states left as they were
                        "original_fails_without_steps": True, "fused_style_steps": [0.0],
