@@ -178,17 +178,20 @@ def delayed_state(scaling: Fp8Scaling, direction: str, slot: int):
     return scaling.scale[direction][slot:slot + 1], scaling.amax_history[direction][0, slot:slot + 1]
 
 
+CAST_TILES = (64, 128, 4)   # BM, BN, num_warps of _cast_kernel on a GPU (scripts/fp8_cast_tiles.py)
+
+
 def _cast_triton(x, dtype, transpose, scale, amax, out=None, skip=None):
     M, N = x.shape
     if out is None:
         out = cast_outputs(M, N, dtype, transpose, x.device)
     y, yt, scale_inv = out
     current = scale is None
-    BM, BN = (16, 16) if interpreting() else (64, 128)
+    BM, BN, warps = (16, 16, 4) if interpreting() else CAST_TILES
     _cast_kernel[(cdiv(M, BM), cdiv(N, BN))](
         x, y, y if yt is None else yt, amax if current else scale, amax, scale_inv,
         amax if skip is None else skip, M, N, x.stride(0), FP8_MAX=FP8_MAX[dtype], CURRENT=current,
-        TRANSPOSE=transpose, HAS_SKIP=skip is not None, BM=BM, BN=BN, num_warps=4)
+        TRANSPOSE=transpose, HAS_SKIP=skip is not None, BM=BM, BN=BN, num_warps=warps)
     return out
 
 
