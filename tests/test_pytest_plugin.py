@@ -25,6 +25,7 @@ CONFTEST = """
 import pytest
 from megatron.core.utils import is_te_min_version
 from tests.unit_tests.download import download_and_extract_asset
+from tests.unit_tests.dist_checkpointing import TempNamedDir
 from tests.unit_tests.test_utilities import Utils
 
 @pytest.fixture(scope="session", autouse=True)
@@ -43,6 +44,7 @@ DOWNLOAD = "def download_and_extract_asset(assets_dir):\n    raise SystemExit('t
 UTILITIES = """
 class Utils:
     calls = []
+    rank = 0
 
     @staticmethod
     def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
@@ -221,6 +223,52 @@ def test_checkpoints_te_tensors():
 """
 
 
+# Megatron's TempNamedDir in miniature: one named directory for every rank, removed by rank 0's
+# cleanup(), with the removing finalizer registered on every rank
+TEMP_NAMED_DIR = """
+import os
+import weakref
+from tempfile import TemporaryDirectory
+
+from tests.unit_tests.test_utilities import Utils
+
+
+class TempNamedDir(TemporaryDirectory):
+    def __init__(self, name, sync=True):
+        self.name = str(name)
+        os.makedirs(self.name, exist_ok=True)
+        self._ignore_cleanup_errors = False
+        self._finalizer = weakref.finalize(self, self._cleanup, self.name, warn_message="implicit")
+
+    def cleanup(self):
+        if Utils.rank == 0:
+            super().cleanup()
+
+    def __exit__(self, *exc):
+        self.cleanup()
+"""
+SHARED_DIR_MODULE = """
+from tests.unit_tests.dist_checkpointing import TempNamedDir
+from tests.unit_tests.test_utilities import Utils
+
+
+def test_a_later_rank_leaves_the_shared_dir_to_rank_0(tmp_path):
+    Utils.rank = 1
+    try:
+        with TempNamedDir(tmp_path / "shared", sync=False):
+            pass
+        assert (tmp_path / "shared").is_dir()
+    finally:
+        Utils.rank = 0
+
+
+def test_rank_0_removes_the_shared_dir(tmp_path):
+    with TempNamedDir(tmp_path / "shared", sync=False):
+        pass
+    assert not (tmp_path / "shared").exists()
+"""
+
+
 def make_tree(root):
     files = {"tests/__init__.py": "", "tests/unit_tests/__init__.py": "",
              "tests/unit_tests/conftest.py": CONFTEST, "tests/unit_tests/download.py": DOWNLOAD,
@@ -232,7 +280,8 @@ def make_tree(root):
              "tests/unit_tests/models/mimo/test_mimo_1f1b_schedule.py": TE_CLASSES_AT_IMPORT,
              # imports TE's own library at module level: a [te] entry of the real skip table turns
              # its import error into a skip
-             "tests/unit_tests/dist_checkpointing/__init__.py": "",
+             "tests/unit_tests/dist_checkpointing/__init__.py": TEMP_NAMED_DIR,
+             "tests/unit_tests/dist_checkpointing/test_shared_dir.py": SHARED_DIR_MODULE,
              "tests/unit_tests/dist_checkpointing/test_fp8.py": TE_LIBRARY_MODULE}
     for rel, text in files.items():
         path = root / rel
@@ -298,6 +347,10 @@ def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
     assert tests["test_destroy_frees_the_groups"]["outcome"] == "passed", tests["test_destroy_frees_the_groups"]
     assert tests["test_layout_parsing[8]"]["outcome"] == "passed", tests
     assert tests["test_imports_a_te_importing_test_module"]["outcome"] == "passed", tests
+    # Megatron's shared checkpoint directory: removed by rank 0 only (the finalizer of the other
+    # ranks removed it at the end of their `with` blocks)
+    for name in ("test_a_later_rank_leaves_the_shared_dir_to_rank_0", "test_rank_0_removes_the_shared_dir"):
+        assert tests[name]["outcome"] == "passed", (name, tests[name])
     te_classes = {k: v for k, v in report["tests"].items() if "test_hybrid_model.py" in k}
     assert len(te_classes) == 2 and all(v["outcome"] == "passed" for v in te_classes.values()), te_classes
     at_import = {k: v for k, v in report["tests"].items() if "test_mimo_1f1b_schedule.py" in k}

@@ -699,6 +699,9 @@ class _Plugin:
             plugin.download_and_extract_asset = no_download
         utilities = importlib.import_module(name.rsplit(".", 1)[0] + ".test_utilities")
         _guard_world_size(utilities.Utils)
+        checkpointing = sys.modules.get(name.rsplit(".", 1)[0] + ".dist_checkpointing")
+        if checkpointing is not None and hasattr(checkpointing, "TempNamedDir"):
+            _shared_dir_removed_by_rank_0_only(checkpointing.TempNamedDir, utilities.Utils)
 
     # -- skips and the TE shim ---------------------------------------------------------------
     @pytest.hookimpl(trylast=True)   # after `-k` / `-m` deselection: only the tests that run
@@ -941,6 +944,28 @@ def _guard_world_size(utils_cls):
                         virtual_pipeline_model_parallel_size, **kwargs)
     initialize_model_parallel._megatron_adapt_guard = True
     utils_cls.initialize_model_parallel = staticmethod(initialize_model_parallel)
+
+
+def _shared_dir_removed_by_rank_0_only(temp_dir_cls, utils_cls):
+    """Megatron's TempNamedDir (tests/unit_tests/dist_checkpointing) is one directory that every rank
+    shares. Its cleanup() removes it on rank 0 only, but TemporaryDirectory's finalizer, which its
+    __init__ registers on every rank, removes it on the others as soon as the object goes: at the
+    end of the `with` block, since `as` binds the path, not the object. A rank that leaves a test
+    late then removes the directory that rank 0 has already made again for the next test ("Checkpoint
+    directory ... does not exist", FileExistsError in os.makedirs: test_optimizer.py at 8 ranks on
+    2 cores, where ranks drift apart). Ranks other than 0 detach the finalizer: only rank 0 removes,
+    as cleanup() intends."""
+    original = temp_dir_cls.__init__
+    if getattr(original, "_megatron_adapt_rank_0_removes", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        finalizer = getattr(self, "_finalizer", None)
+        if getattr(utils_cls, "rank", 0) != 0 and finalizer is not None:
+            finalizer.detach()
+    __init__._megatron_adapt_rank_0_removes = True
+    temp_dir_cls.__init__ = __init__
 
 
 _AT_TEST_START = {"microbatch_calculator": None}   # global state as the running test found it
