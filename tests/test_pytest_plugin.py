@@ -52,6 +52,10 @@ class Utils:
         Utils.calls.append((tensor_model_parallel_size, pipeline_model_parallel_size, kwargs))
 
     @staticmethod
+    def initialize_distributed():
+        Utils.calls.append("initialize_distributed")
+
+    @staticmethod
     def fake_initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, **kwargs):
         Utils.calls.append(("fake", tensor_model_parallel_size, pipeline_model_parallel_size))
 """
@@ -247,6 +251,20 @@ class TempNamedDir(TemporaryDirectory):
     def __exit__(self, *exc):
         self.cleanup()
 """
+# a test that takes the default process group as given (listed in NEEDS_DEFAULT_GROUP), and one that is not
+DEFAULT_GROUP_MODULE = """
+from tests.unit_tests.test_utilities import Utils
+
+
+class TestHyperCommGrid:
+    def test_finds_the_default_group_made(self):
+        assert Utils.calls.count("initialize_distributed") == 1, Utils.calls
+
+
+class TestHyperCommGridIntegration:
+    def test_is_not_listed(self):
+        assert Utils.calls.count("initialize_distributed") == 1, Utils.calls
+"""
 SHARED_DIR_MODULE = """
 from tests.unit_tests.dist_checkpointing import TempNamedDir
 from tests.unit_tests.test_utilities import Utils
@@ -282,6 +300,7 @@ def make_tree(root):
              # its import error into a skip
              "tests/unit_tests/dist_checkpointing/__init__.py": TEMP_NAMED_DIR,
              "tests/unit_tests/dist_checkpointing/test_shared_dir.py": SHARED_DIR_MODULE,
+             "tests/unit_tests/test_hyper_comm_grid.py": DEFAULT_GROUP_MODULE,
              "tests/unit_tests/dist_checkpointing/test_fp8.py": TE_LIBRARY_MODULE}
     for rel, text in files.items():
         path = root / rel
@@ -349,7 +368,9 @@ def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
     assert tests["test_imports_a_te_importing_test_module"]["outcome"] == "passed", tests
     # Megatron's shared checkpoint directory: removed by rank 0 only (the finalizer of the other
     # ranks removed it at the end of their `with` blocks)
-    for name in ("test_a_later_rank_leaves_the_shared_dir_to_rank_0", "test_rank_0_removes_the_shared_dir"):
+    for name in ("TestHyperCommGrid::test_finds_the_default_group_made",
+                 "TestHyperCommGridIntegration::test_is_not_listed",
+                 "test_a_later_rank_leaves_the_shared_dir_to_rank_0", "test_rank_0_removes_the_shared_dir"):
         assert tests[name]["outcome"] == "passed", (name, tests[name])
     te_classes = {k: v for k, v in report["tests"].items() if "test_hybrid_model.py" in k}
     assert len(te_classes) == 2 and all(v["outcome"] == "passed" for v in te_classes.values()), te_classes
