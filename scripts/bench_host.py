@@ -18,3 +18,10 @@ def bench(fn) -> float:
     """Median ms of fn on the GPU."""
     import triton.testing
     return triton.testing.do_bench(fn, warmup=10, rep=60)
+
+
+def device_copy_gbs(dev: str = "cuda", nbytes: int = 1 << 28) -> float:
+    """The device's copy bandwidth (GB/s, read + write) that kernel figures are a fraction of."""
+    import torch
+    src, dst = torch.empty(nbytes, dtype=torch.uint8, device=dev), torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    return 2 * nbytes / bench(lambda: dst.copy_(src)) / 1e6

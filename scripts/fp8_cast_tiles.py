@@ -15,7 +15,7 @@ import os
 import torch
 import triton.testing
 
-from bench_host import bench, cpu_model
+from bench_host import bench, cpu_model, device_copy_gbs
 from megatron_adapt.backends.cuda import fp8, fp8_swiglu
 from megatron_adapt.backends.fp8_scaling import Fp8Recipe, Fp8Scaling
 
@@ -43,9 +43,7 @@ def with_tiles(module, name, tiles, fn):
 
 def main():
     dev = "cuda"
-    n = 1 << 28
-    src, dst = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
-    copy_gbs = 2 * n / bench(lambda: dst.copy_(src)) / 1e6
+    copy_gbs = device_copy_gbs(dev)
     print(f"GPU: {torch.cuda.get_device_name()} | host CPU: {cpu_model()} | device copy {copy_gbs:.0f} GB/s")
     scaling = Fp8Scaling(Fp8Recipe(format="hybrid", recipe="delayed"), device=dev)
     e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from bench_host import bench, cpu_model
+from bench_host import bench, cpu_model, device_copy_gbs
 from megatron_adapt.backends.cuda import activations, fp8, fp8_swiglu
 from megatron_adapt.backends.fp8_scaling import FP8_MAX, Fp8Recipe, Fp8Scaling
 
@@ -37,9 +37,7 @@ def main():
     args = ap.parse_args()
     dev = "cuda"
     print(f"GPU: {torch.cuda.get_device_name()} | host CPU: {cpu_model()}")
-    n = 1 << 28
-    src, dst = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
-    copy_gbs = 2 * n / bench(lambda: dst.copy_(src)) / 1e6
+    copy_gbs = device_copy_gbs(dev)
     print(f"device copy: {copy_gbs:.0f} GB/s")
     scaling = Fp8Scaling(Fp8Recipe(format="hybrid", recipe="delayed"), device=dev)
     e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2

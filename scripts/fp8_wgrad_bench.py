@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench_host import bench, cpu_model
+from bench_host import bench, cpu_model, device_copy_gbs
 from megatron_adapt.backends.cuda import fp8_wgrad
 
 
@@ -201,9 +201,7 @@ def main():
     if fp8_wgrad.unavailable():
         raise SystemExit(f"the library path needs nvmath-python: {fp8_wgrad.unavailable()}")
     rows = []
-    n = 1 << 28
-    src, dst = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
-    copy_gbs = 2 * n / bench(lambda: dst.copy_(src)) / 1e6
+    copy_gbs = device_copy_gbs(dev)
     print(f"device copy: {copy_gbs:.0f} GB/s")
     for model, name, out, inp, tokens in SHAPES:
         if args.only and f"{model}:{name}" not in args.only:
