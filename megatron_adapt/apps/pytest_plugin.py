@@ -597,6 +597,12 @@ TE_IMPORTING_MODULES = {UT + "models/test_gpt_model.py", UT + "models/test_mamba
                         UT + "transformer/test_multi_latent_attention.py",
                         UT + "test_fp8_param.py", UT + "test_fp4_param.py"}
 
+# Tests that take the default process group as given. In Megatron's CI an earlier test of the session
+# has made it (Utils.initialize_model_parallel leaves it up); run alone, or after files whose tests are
+# all skipped here (test_fp8_param.py without TE), they find none: "Default process group has not been
+# initialized". At 2 ranks these are [ranks] skips (grids of 8); at 8 they run.
+NEEDS_DEFAULT_GROUP = (UT + "test_hyper_comm_grid.py::TestHyperCommGrid::*",)
+
 # Tests that import TE's classes from megatron.core.extensions.transformer_engine inside the test and
 # check the built modules against them (isinstance); without TE those names are None (a TypeError in
 # isinstance). While one of them runs, the names are the classes megatron-adapt's layer-spec
@@ -611,12 +617,6 @@ TE_CLASS_TESTS = (UT + "models/test_hybrid_model.py::TestMLAQKNormResolution::*"
                   DSA_TESTS + "test_lighting_indexer_indices_preserves_single_head_weight_axis*")
 # Test modules that import those names at module level (try: ... except ImportError: None) and build
 # specs from them: the same binding while the module imports.
-# Tests that take the default process group as given. In Megatron's CI an earlier test of the session
-# has made it (Utils.initialize_model_parallel leaves it up); run alone, or after files whose tests are
-# all skipped here (test_fp8_param.py without TE), they find none: "Default process group has not been
-# initialized". At 2 ranks these are [ranks] skips (grids of 8); at 8 they run.
-NEEDS_DEFAULT_GROUP = (UT + "test_hyper_comm_grid.py::TestHyperCommGrid::*",)
-
 TE_CLASS_MODULES = {UT + "models/mimo/test_mimo_1f1b_schedule.py",
                     UT + "dist_checkpointing/models/test_mamba.py",
                     UT + "transformer/test_transformer_block_custom_pgs.py",
@@ -688,6 +688,7 @@ class _Plugin:
         self.outcomes: dict[str, dict] = {}
         self.deselected: list[str] = []
         self.lifted: dict[str, list[str]] = {}   # node id -> Megatron skipif reasons lifted (served)
+        self.utils = None   # Megatron's test Utils, once its conftest is registered
         _pg_timeout(config.getoption("--megatron-adapt-pg-timeout"))
         if self.backend == "cpu":
             _free_groups_on_destroy()
@@ -811,7 +812,7 @@ class _Plugin:
     def pytest_runtest_setup(self, item):
         _AT_TEST_START["microbatch_calculator"] = _microbatch_calculator_set()
         if any(fnmatch.fnmatchcase(item.nodeid, p) for p in NEEDS_DEFAULT_GROUP):
-            _default_group_up(getattr(self, "utils", None))
+            _default_group_up(self.utils)
         # setup too: DSA's tests import TELinear / TENorm in setup_method and build the module there
         with _te_classes_for(item):
             return (yield)
