@@ -173,6 +173,52 @@ def test_destroy_frees_the_groups():
     finally:
         dist.destroy_process_group()
 
+_LEFT_BEHIND = []
+
+def test_leaves_a_ddp_held_by_its_hooks():
+    # Megatron's DDP hooks each parameter's AccumulateGrad node with a closure over the DDP; a module
+    # that keeps a forward output (the MoE token dispatchers keep local_probs) holds that graph: a
+    # cycle through C++ autograd nodes that Python's cyclic GC does not see
+    import weakref, torch, torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_adapt.apps.ports import free_port
+
+    class KeepsItsOutput(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+        def forward(self, x):
+            self.kept = self.linear(x)
+            return self.kept
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    try:
+        config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1)
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), KeepsItsOutput())
+        ddp(torch.ones(2, 4))
+        _LEFT_BEHIND.append(weakref.ref(ddp.module))
+        _LEFT_BEHIND.append(ddp)          # still referenced here: must survive the release
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+def test_after_the_ddp():
+    kept_module, kept_ddp = _LEFT_BEHIND
+    assert kept_ddp.module is not None    # a DDP Python still holds is left alone
+    _LEFT_BEHIND.clear()
+    assert kept_module() is kept_ddp.module
+
+def test_after_letting_the_ddp_go():
+    # the previous test dropped the last Python reference; its teardown released the cycle
+    import gc
+    gc.collect()
+    from megatron.core.distributed import DistributedDataParallel
+    alive = [o for o in gc.get_referrers(DistributedDataParallel) if isinstance(o, DistributedDataParallel)]
+    assert not alive, alive
+
 from megatron.core.hyper_comm_grid import HyperCommGrid
 
 class TestGridOfEight:
@@ -364,6 +410,8 @@ def test_plugin_serves_megatrons_test_layout(tmp_path, monkeypatch):
     assert tests["TestSetUpOnce::test_next_can_set_up_its_calculator"]["outcome"] == "passed", tests
     assert tests["test_after_the_container"]["outcome"] == "passed", tests["test_after_the_container"]
     assert tests["test_destroy_frees_the_groups"]["outcome"] == "passed", tests["test_destroy_frees_the_groups"]
+    for name in ("test_leaves_a_ddp_held_by_its_hooks", "test_after_the_ddp", "test_after_letting_the_ddp_go"):
+        assert tests[name]["outcome"] == "passed", (name, tests[name])
     assert tests["test_layout_parsing[8]"]["outcome"] == "passed", tests
     assert tests["test_imports_a_te_importing_test_module"]["outcome"] == "passed", tests
     # Megatron's shared checkpoint directory: removed by rank 0 only (the finalizer of the other
