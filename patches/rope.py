@@ -66,6 +66,8 @@ def _positions(cu_seqlens, total, cp_rank, cp_size):
         if per_sequence_thd_split():
             return cp.thd_sequence_meta(cu_seqlens, None, total * cp_size, cp_size, cp_rank)[0][0].to(cu_seqlens.device)
     cu = torch.div(cu_seqlens.long(), cp_size, rounding_mode="floor")
+    if cu.device.type == "cpu" and int(cu[-1]) != total:   # on a device this would sync every layer
+        raise ValueError(_thd_size_message(int(cu_seqlens[-1]), total, cp_size))
     lengths = cu[1:] - cu[:-1]
     seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths,
                                   output_size=total)
@@ -78,6 +80,15 @@ def _positions(cu_seqlens, total, cp_rank, cp_size):
                        local + torch.div(cp_rank * length, 2, rounding_mode="floor"),
                        local - half + torch.div((2 * cp_size - cp_rank - 1) * length, 2,
                                                 rounding_mode="floor"))
+
+
+def _thd_size_message(packed, total, cp_size):
+    if cp_size == 1:
+        return (f"packed (thd) RoPE: cu_seqlens ends at {packed} tokens but the tensor holds {total}")
+    return (f"packed (thd) RoPE under context parallelism {cp_size}: cu_seqlens covers the whole packed row "
+            f"({packed} tokens), so this rank should hold {packed // cp_size} of them, but the tensor holds "
+            f"{total}. Split the packed batch per CP rank first (Megatron's get_thd_batch_on_this_cp_rank / "
+            "get_batch_on_this_cp_rank), as TE's thd RoPE and attention also expect")
 
 
 def _cos_sin(cos, sin, t, cu_seqlens, cp_rank, cp_size):

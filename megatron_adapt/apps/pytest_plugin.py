@@ -213,13 +213,15 @@ SKIPS: list[Skip] = [
          "differ by up to 0.38 against the test's atol 0.1). With the router in fp32 (no tie) all 7 cases pass "
          "on cpu, granularity 2 within 0.078 (GELU), 0.020 (SwiGLU), 0.016 (squared ReLU)",
          backends=NOT_GPU),
-    Skip(UT + "transformer/test_multi_token_prediction.py::TestMultiTokenPrediction::test_forward_backward[[]2-1-*",
-         "rounding", "compares the TP2 model's per-token losses with TP1's at rtol = atol = 1e-3 in bf16, 8 experts "
-         "top-2 with the router in bf16 (SequentialMLP: the test turns grouped GEMM off without TE). On cpu one "
-         "token's top-2 flips between the two layouts (11.6148 against 11.6628; the others within 0.002), and with "
-         "moe_router_dtype='fp32' in a copy of the test both cases pass; on cuda (2 x H200) several tokens differ by "
-         "up to 0.016. core_v0.19.0 marks this test flaky_in_dev, which Megatron CI's marker deselects",
-         versions="<0.17.0"),
+    *(Skip(UT + f"transformer/test_multi_token_prediction.py::TestMultiTokenPrediction::test_forward_backward[[]{tp_cp}-*",
+           "rounding", "compares the TP>1 model's per-token losses with TP1's at rtol = atol = 1e-3 in bf16, 8 experts "
+           "top-2 (SequentialMLP: the test turns grouped GEMM off without TE). On cpu token 8's top-2 flips between "
+           "the layouts (11.6148 against 11.6628; the others within 0.002): at TP4 x CP2 layer 1's router logits for "
+           "experts 2 and 7 are 0.15502 / 0.15486 at TP1 and 0.15458 / 0.15536 at TP4 (the bf16 noise between the "
+           "layouts is about 1e-3). With the model in fp32 (a copy of the test: bf16 off) [2-1-False], [4-2-False] and "
+           "[4-2-True] pass at 8 ranks; at TP2 moe_router_dtype='fp32' alone is enough. On cuda (2 x H200) several "
+           "tokens differ by up to 0.016 at TP2. core_v0.19.0 marks this test flaky_in_dev, which Megatron CI's "
+           "marker deselects", versions="<0.17.0") for tp_cp in ("2-1", "4-2")),
     Skip(UT + "transformer/moe/test_grouped_mlp.py::TestParallelGroupedMLP::test_weight_init_value_the_same", "cuda",
          "with use_cpu_initialization=False it expects the grouped and the sequential experts' weights, drawn "
          "under the expert RNG fork in different orders and sizes, to coincide: a property of CUDA's "
@@ -279,6 +281,12 @@ SKIPS: list[Skip] = [
          "ranks in host memory on cpu (core_v0.19.0 on a 251 GB host: passed in 386 s, 2026-11-28; on a "
          "24 GB host the OOM killer ended it). Skipped on hosts under 64 GB",
          backends=("cpu",), needs_host_gb=64),
+    Skip(UT + "transformer/test_multi_token_prediction.py::TestMultiTokenPrediction::test_packed_sequences[[]2-2[]]",
+         "precondition", "feeds every CP rank the whole packed row (3 documents, 52 tokens, CP 2) without splitting it "
+         "(Megatron's get_thd_batch_on_this_cp_rank / get_batch_on_this_cp_rank), and asserts the output has all 52 "
+         "tokens. Megatron's thd RoPE and CP attention take cu_seqlens of the whole row and this rank's 26 tokens; "
+         "TE's kernels do not check and leave the rest of their output unwritten, and the test checks shapes only. "
+         "megatron-adapt's thd RoPE raises ValueError naming the split (8 ranks on cpu, both tags; 4 ranks needed)"),
     Skip(UT + "data/test_get_batch.py::test_sft_batch[[]*-[248]-*-*[]]", "precondition",
          "CP > 1 with SFT packs documents of random lengths (create_sft_data_iterator) and no "
          "cu_seqlens_padded, so _get_batch_on_this_cp_rank_per_document_balancing splits documents "

@@ -6,7 +6,8 @@ documents crossing chunk boundaries; on core 0.17+, which has no such function, 
 through backends/context_parallel.thd_partitioned_indices), runs the model with --cp-comm-type p2p or a2a, RoPE fusion on (megatron-adapt's
 fused thd RoPE) and off (Megatron's own), and must give the per-token losses of the same packed
 batch at CP=1 (within 2e-3; they land near 1e-6) and, summed over the CP group, the same gradients
-(1e-4 relative). Also: a local sequence of odd length is refused naming the flag and backend, and
+(1e-4 relative). Also: a local sequence of odd length is refused naming the flag and backend, the
+whole packed row fed to each CP rank unsplit is refused naming the split, and
 so is what core_v0.19's --dataloader-inter-document-masking under CP cannot get (settings only)."""
 import os
 
@@ -98,6 +99,12 @@ def _worker(rank, port, q):
                 res[f"{comm}/fusion={fusion}"] = {
                     "loss_diff": (loss.detach()[0] - want).mul(batch["real"][0]).abs().max().item(),
                     "grad_rel": grad_rel, "local_tokens": int(batch["tokens"].size(1))}
+            if fusion is True:    # the whole packed row on each CP rank (not split): refused, saying so
+                try:
+                    m(tokens, torch.arange(total)[None], None, labels=labels, packed_seq_params=params())
+                    res["unsplit"] = "ran"
+                except Exception as exc:  # noqa: BLE001 (the test reads the message)
+                    res["unsplit"] = f"{type(exc).__name__}: {exc}"
             if fusion is False:   # an odd local length: refused naming the flag and the backend
                 core = m.decoder.layers[0].self_attention.core_attention
                 x = torch.randn(3, 1, 2, 16)          # 3 local tokens: [s, b, heads, d]
@@ -142,6 +149,16 @@ def test_thd_cp2_equals_thd_cp1(comm, fusion):
 def test_odd_local_sequence_is_refused():
     assert results()[0]["odd"].startswith("ValueError: sequence length 6 is not a multiple of 2 x --context-parallel-size (4): "
                                           "megatron-adapt's context-parallel attention on the cpu backend"), results()[0]["odd"]
+
+
+def test_an_unsplit_packed_row_is_refused_naming_the_split():
+    # Megatron's MTP test_packed_sequences[2-2] feeds every CP rank the whole row; TE's kernels read
+    # only their part of it and leave the rest of the output unwritten
+    msg = results()[0]["unsplit"]
+    assert msg.startswith(f"ValueError: packed (thd) RoPE under context parallelism 2: cu_seqlens covers the whole "
+                          f"packed row ({sum(SLOTS)} tokens), so this rank should hold {sum(SLOTS) // 2} of them, "
+                          f"but the tensor holds {sum(SLOTS)}"), msg
+    assert "get_thd_batch_on_this_cp_rank" in msg, msg
 
 
 def test_report_names_the_cp_op():
