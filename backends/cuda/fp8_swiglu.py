@@ -51,7 +51,8 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_cast_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M, F,
-                            FP8_MAX: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                            FP8_MAX: tl.constexpr, TRANSPOSE: tl.constexpr, ONE_PASS: tl.constexpr,
+                            BM: tl.constexpr, BN: tl.constexpr):
         """y [M, F] (and y^T [F, M]) = fp8(SwiGLU(x) * scale); its amax into amax_ptr."""
         pm, pn = tl.program_id(0), tl.program_id(1)
         rm = (pm * BM + tl.arange(0, BM)).to(tl.int64)
@@ -62,18 +63,20 @@ if triton is not None:
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(v), 1), 0))
         q = tl.minimum(tl.maximum(v * s, -FP8_MAX), FP8_MAX)
         tl.store(y_ptr + rm[:, None] * F + rn[None, :], q.to(y_ptr.dtype.element_ty), mask=mask)
-        if TRANSPOSE:   # recomputed in transposed order (no tl.trans: see fp8._cast_kernel)
+        if TRANSPOSE:
             mt = (rn[:, None] < F) & (rm[None, :] < M)
-            vt = _swiglu_at(x_ptr, rm[None, :], rn[:, None], F, mt)
-            qt = tl.minimum(tl.maximum(vt * s, -FP8_MAX), FP8_MAX)
+            if ONE_PASS:   # this tile transposed in registers (see ONE_PASS_INPUTS)
+                qt = tl.trans(q)
+            else:          # loaded and computed again in transposed order
+                qt = tl.minimum(tl.maximum(_swiglu_at(x_ptr, rm[None, :], rn[:, None], F, mt) * s, -FP8_MAX), FP8_MAX)
             tl.store(yt_ptr + rn[:, None] * M + rm[None, :], qt.to(yt_ptr.dtype.element_ty), mask=mt)
         if (pm == 0) & (pn == 0):
             tl.store(scale_inv_ptr, 1.0 / s)
 
     @triton.jit
     def _swiglu_grad_cast_kernel(x_ptr, d_ptr, g_ptr, gt_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M, F,
-                                 FP8_MAX: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr,
-                                 BN: tl.constexpr):
+                                 FP8_MAX: tl.constexpr, TRANSPOSE: tl.constexpr, ONE_PASS: tl.constexpr,
+                                 BM: tl.constexpr, BN: tl.constexpr):
         """g [M, 2F] (and g^T [2F, M]) = fp8(SwiGLU backward(x, d) * scale); its amax into amax_ptr."""
         pm, pn = tl.program_id(0), tl.program_id(1)
         rm = (pm * BM + tl.arange(0, BM)).to(tl.int64)
@@ -82,17 +85,20 @@ if triton is not None:
         mask = (rm[:, None] < M) & (rn[None, :] < F)
         da, db = _swiglu_grad_at(x_ptr, d_ptr, rm[:, None], rn[None, :], F, mask)
         tl.atomic_max(amax_ptr, tl.maximum(tl.max(tl.max(tl.abs(da), 1), 0), tl.max(tl.max(tl.abs(db), 1), 0)))
-        qa = tl.minimum(tl.maximum(da * s, -FP8_MAX), FP8_MAX).to(g_ptr.dtype.element_ty)
-        qb = tl.minimum(tl.maximum(db * s, -FP8_MAX), FP8_MAX).to(g_ptr.dtype.element_ty)
-        tl.store(g_ptr + rm[:, None] * 2 * F + rn[None, :], qa, mask=mask)
-        tl.store(g_ptr + rm[:, None] * 2 * F + F + rn[None, :], qb, mask=mask)
+        qa = tl.minimum(tl.maximum(da * s, -FP8_MAX), FP8_MAX)
+        qb = tl.minimum(tl.maximum(db * s, -FP8_MAX), FP8_MAX)
+        tl.store(g_ptr + rm[:, None] * 2 * F + rn[None, :], qa.to(g_ptr.dtype.element_ty), mask=mask)
+        tl.store(g_ptr + rm[:, None] * 2 * F + F + rn[None, :], qb.to(g_ptr.dtype.element_ty), mask=mask)
         if TRANSPOSE:
             mt = (rn[:, None] < F) & (rm[None, :] < M)
-            dat, dbt = _swiglu_grad_at(x_ptr, d_ptr, rm[None, :], rn[:, None], F, mt)
-            qat = tl.minimum(tl.maximum(dat * s, -FP8_MAX), FP8_MAX).to(gt_ptr.dtype.element_ty)
-            qbt = tl.minimum(tl.maximum(dbt * s, -FP8_MAX), FP8_MAX).to(gt_ptr.dtype.element_ty)
-            tl.store(gt_ptr + rn[:, None] * M + rm[None, :], qat, mask=mt)
-            tl.store(gt_ptr + (F + rn[:, None]) * M + rm[None, :], qbt, mask=mt)
+            if ONE_PASS:
+                qat, qbt = tl.trans(qa), tl.trans(qb)
+            else:
+                dat, dbt = _swiglu_grad_at(x_ptr, d_ptr, rm[None, :], rn[:, None], F, mt)
+                qat = tl.minimum(tl.maximum(dat * s, -FP8_MAX), FP8_MAX)
+                qbt = tl.minimum(tl.maximum(dbt * s, -FP8_MAX), FP8_MAX)
+            tl.store(gt_ptr + rn[:, None] * M + rm[None, :], qat.to(gt_ptr.dtype.element_ty), mask=mt)
+            tl.store(gt_ptr + (F + rn[:, None]) * M + rm[None, :], qbt.to(gt_ptr.dtype.element_ty), mask=mt)
         if (pm == 0) & (pn == 0):
             tl.store(scale_inv_ptr, 1.0 / s)
 
@@ -110,6 +116,13 @@ def swiglu_grad_reference(x2: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
 
 
 TILES = (32, 128, 4)   # BM, BN, num_warps on a GPU: the best of scripts/fp8_swiglu_bench.py --tiles on an H100
+
+# Input dtypes whose transposed fp8 copy is the computed tile transposed in registers (tl.trans), one read
+# of the input. scripts/fp8_transpose_probe.py (one H200, Triton 3.6 with its bundled ptxas 12.8) found every
+# byte right for bf16 inputs at four tile shapes, and wrong bytes for fp32 inputs (in the transposed copy and
+# at times in the plain one): Triton issue #11111, a ptxas bug with an fp8 tile stored twice. Other inputs
+# load and compute their tile again in transposed order.
+ONE_PASS_INPUTS = (torch.bfloat16,)
 
 
 def _tiles():
@@ -131,7 +144,8 @@ def _fused_cast(kernel, inputs, f, cols, dtype, transpose, scaling, direction, s
     out, out_t, scale_inv = cast_outputs(M, cols, dtype, transpose, x2.device)
     BM, BN, warps = _tiles()
     kernel[(cdiv(M, BM), cdiv(f, BN))](*inputs, out, out if out_t is None else out_t, scale, amax, scale_inv,
-                                       M, f, FP8_MAX=FP8_MAX[dtype], TRANSPOSE=transpose, BM=BM, BN=BN,
+                                       M, f, FP8_MAX=FP8_MAX[dtype], TRANSPOSE=transpose,
+                                       ONE_PASS=x2.dtype in ONE_PASS_INPUTS, BM=BM, BN=BN,
                                        num_warps=warps)
     return out, out_t, scale_inv
 

@@ -89,6 +89,33 @@ def test_swiglu_grad_cast_kernel_equals_swiglu_backward_then_cast(rows, f, dtype
     assert not torch.equal(g_ref[:, :f], g_ref[:, f:])
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_one_pass_transposed_copy_equals_the_reloaded_one(grad, monkeypatch):
+    """ONE_PASS_INPUTS: the transposed copy as the tile transposed in registers, byte for byte the
+    reloaded path's (both outputs, 1/scale, amax). On a GPU at bf16 (the dtype it serves) over many
+    tiles; under the interpreter at fp32 (bf16 rounds otherwise there), served for the test."""
+    if DEV == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        dtype, (rows, f), served = torch.float32, (40, 24), (torch.float32,)
+    else:
+        dtype, (rows, f), served = torch.bfloat16, (1000, 776), fp8_swiglu.ONE_PASS_INPUTS
+    assert dtype in served
+    torch.manual_seed(2)
+    x = (torch.randn(rows, 2 * f) * 3).to(dtype).to(DEV)
+    d = (torch.randn(rows, f) * 0.01).to(dtype).to(DEV)
+    deferred = fp8_swiglu.SwigluGrad((rows, 2 * f), x, x, d) if grad else fp8_swiglu.SwigluOutput((rows, f), x, x)
+    fp8_dtype, direction, scale = (E5, "bwd", 2.0 ** 10) if grad else (E4, "fwd", 4.0)
+    got = {}
+    for one_pass in (True, False):
+        monkeypatch.setattr(fp8_swiglu, "ONE_PASS_INPUTS", served if one_pass else ())
+        state = delayed(scale=scale)
+        g8, g8t, ginv = deferred.fp8_quantize(fp8_dtype, True, state, direction, 0)
+        got[one_pass] = [g8.view(torch.uint8), g8t.view(torch.uint8), ginv, state.amax_history[direction][0, 0]]
+    for a, b in zip(got[True], got[False]):
+        assert torch.equal(a, b)
+    assert torch.equal(got[True][1], got[True][0].t().contiguous())
+
+
 class _SwigluRef(torch.autograd.Function):
     """The unfused chain's SwiGLU with the same backward math (fp32, rounded once)."""
     @staticmethod
