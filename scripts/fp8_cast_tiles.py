@@ -2,13 +2,15 @@
 """Tile sizes of the fp8 cast kernels on the GPU at hand, timed as CUDA-graph replays (as they run
 inside Megatron's graphs): the delayed cast with its transposed copy (`fp8._cast_kernel`,
 `fp8.CAST_TILES`) at the 0.95B / 2.9B models' activation shapes, and the two SwiGLU casts
-(`fp8_swiglu.TILES`) at their MLP shapes.
+(`fp8_swiglu.TILES`) at their MLP shapes, each with its transposed copy as served
+(`fp8_swiglu.ONE_PASS_INPUTS`) and reloaded in transposed order ("(reload)").
 
-    OUT=/tmp/tiles python3 scripts/fp8_cast_tiles.py
+    OUT=/tmp/tiles python3 scripts/fp8_cast_tiles.py [--only swiglu] [--tiles 32x128x4 64x128x8]
 
 GB/s counts the fewest bytes each kernel must move (its reads, its fp8 copies), against the device
 copy measured in the same run; $OUT/fp8_cast_tiles.json is written.
 """
+import argparse
 import json
 import os
 
@@ -42,6 +44,11 @@ def with_tiles(module, name, tiles, fn):
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", choices=("cast", "swiglu"), help="time one kernel family only")
+    ap.add_argument("--tiles", nargs="+", metavar="BMxBNxWARPS", help=f"tiles to time (default: {len(TILES)} choices)")
+    args = ap.parse_args()
+    tiles_to_time = [tuple(int(v) for v in t.split("x")) for t in args.tiles] if args.tiles else TILES
     dev = "cuda"
     copy_gbs = device_copy_gbs(dev)
     print(f"GPU: {torch.cuda.get_device_name()} | host CPU: {cpu_model()} | device copy {copy_gbs:.0f} GB/s")
@@ -53,22 +60,24 @@ def main():
         gbs = moved / ms / 1e6
         rows.append(dict(kernel=kind, shape=shape, tiles=list(tiles), ms=round(ms, 4), gbs=round(gbs),
                          pct_copy=round(100 * gbs / copy_gbs, 1)))
-        print(f"{kind:16} {shape:14} {str(tiles):16} {ms:7.4f} ms {gbs:6.0f} GB/s {rows[-1]['pct_copy']:5.1f} %")
+        print(f"{kind:25} {shape:14} {str(tiles):16} {ms:7.4f} ms {gbs:6.0f} GB/s {rows[-1]['pct_copy']:5.1f} %")
 
-    for shape, (m, k) in CAST_SHAPES.items():
+    for shape, (m, k) in (CAST_SHAPES if args.only != "swiglu" else {}).items():
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        for tiles in TILES:
+        for tiles in tiles_to_time:
             fn = with_tiles(fp8, "CAST_TILES", tiles, lambda: fp8.quantize(x, e4, True, scaling, "fwd", 0))
             record("cast+transpose", shape, tiles, graphed(fn), m * k * 2 + 2 * m * k)
-    for shape, (t, f) in SWIGLU_SHAPES.items():
+    for shape, (t, f) in (SWIGLU_SHAPES if args.only != "cast" else {}).items():
         x = torch.randn(t, 2 * f, device=dev, dtype=torch.bfloat16)
         d = torch.randn(t, f, device=dev, dtype=torch.bfloat16) * 1e-3
         out, grad = fp8_swiglu.SwigluOutput((t, f), x, x), fp8_swiglu.SwigluGrad((t, 2 * f), x, x, d)
-        for tiles in TILES:
-            fwd = with_tiles(fp8_swiglu, "TILES", tiles, lambda: out.fp8_quantize(e4, True, scaling, "fwd", 0))
-            bwd = with_tiles(fp8_swiglu, "TILES", tiles, lambda: grad.fp8_quantize(e5, True, scaling, "bwd", 0))
-            record("swiglu fwd cast", shape, tiles, graphed(fwd), t * 2 * f * 2 + 2 * t * f)
-            record("swiglu bwd cast", shape, tiles, graphed(bwd), t * 2 * f * 2 + t * f * 2 + 2 * t * 2 * f)
+        for tiles in tiles_to_time:
+            for served, how in ((fp8_swiglu.ONE_PASS_INPUTS, ""), ((), " (reload)")):
+                fwd = with_tiles(fp8_swiglu, "TILES", tiles, lambda: out.fp8_quantize(e4, True, scaling, "fwd", 0))
+                bwd = with_tiles(fp8_swiglu, "TILES", tiles, lambda: grad.fp8_quantize(e5, True, scaling, "bwd", 0))
+                fwd, bwd = (with_tiles(fp8_swiglu, "ONE_PASS_INPUTS", served, fn) for fn in (fwd, bwd))
+                record("swiglu fwd cast" + how, shape, tiles, graphed(fwd), t * 2 * f * 2 + 2 * t * f)
+                record("swiglu bwd cast" + how, shape, tiles, graphed(bwd), t * 2 * f * 2 + t * f * 2 + 2 * t * 2 * f)
     best = {}
     for r in rows:
         key = (r["kernel"], r["shape"])
@@ -76,7 +85,7 @@ def main():
             best[key] = r
     print("best:")
     for (kind, shape), r in best.items():
-        print(f"  {kind:16} {shape:14} {r['tiles']} {r['ms']} ms ({r['pct_copy']} % of copy)")
+        print(f"  {kind:25} {shape:14} {r['tiles']} {r['ms']} ms ({r['pct_copy']} % of copy)")
     with open(os.path.join(os.environ.get("OUT", "."), "fp8_cast_tiles.json"), "w") as fh:
         json.dump(dict(gpu=torch.cuda.get_device_name(), host_cpu=cpu_model(), copy_gbs=round(copy_gbs),
                        timing="cuda-graph replays (triton.testing.do_bench_cudagraph)", rows=rows), fh, indent=1)
