@@ -23,6 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_adapt.backends.cuda.fp8_swiglu import (_swiglu_at, _swiglu_grad_at, swiglu_grad_reference,
+                                                    swiglu_reference)
+
 MODES = {0: "reload: the tile loaded and computed again in transposed order",
          1: "tl.trans of the fp32 tile, stored as fp8",
          2: "tl.trans of the fp32 tile, its fp8 bits stored as int8",
@@ -33,6 +36,15 @@ MODES = {0: "reload: the tile loaded and computed again in transposed order",
 @triton.jit
 def _clamp(v, s, FP8_MAX: tl.constexpr):
     return tl.minimum(tl.maximum(v * s, -FP8_MAX), FP8_MAX)
+
+
+@triton.jit
+def _tile(scale_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's rows and columns of an [M, N] tile, the scale, and the masks as is and transposed."""
+    rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    return (rm, rn, tl.load(scale_ptr), (rm[:, None] < M) & (rn[None, :] < N),
+            (rn[:, None] < N) & (rm[None, :] < M))
 
 
 @triton.jit
@@ -52,12 +64,7 @@ def _store_t(yt_ptr, yt8_ptr, q, q8, rm, rn, M, mask, mt, col0, MODE: tl.constex
 @triton.jit
 def cast_kernel(x_ptr, y_ptr, yt_ptr, yt8_ptr, scale_ptr, M, N, FP8_MAX: tl.constexpr, MODE: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr):
-    pm, pn = tl.program_id(0), tl.program_id(1)
-    rm = (pm * BM + tl.arange(0, BM)).to(tl.int64)
-    rn = pn * BN + tl.arange(0, BN)
-    s = tl.load(scale_ptr)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    mt = (rn[:, None] < N) & (rm[None, :] < M)
+    rm, rn, s, mask, mt = _tile(scale_ptr, M, N, BM, BN)
     q = _clamp(tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32), s, FP8_MAX)
     q8 = q.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], q8, mask=mask)
@@ -69,32 +76,9 @@ def cast_kernel(x_ptr, y_ptr, yt_ptr, yt8_ptr, scale_ptr, M, N, FP8_MAX: tl.cons
 
 
 @triton.jit
-def _swiglu_at(x_ptr, r, c, F, mask):
-    a = tl.load(x_ptr + r * 2 * F + c, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(x_ptr + r * 2 * F + F + c, mask=mask, other=0.0).to(tl.float32)
-    return (a * tl.sigmoid(a) * b).to(x_ptr.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _swiglu_grad_at(x_ptr, d_ptr, r, c, F, mask):
-    a = tl.load(x_ptr + r * 2 * F + c, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(x_ptr + r * 2 * F + F + c, mask=mask, other=0.0).to(tl.float32)
-    d = tl.load(d_ptr + r * F + c, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(a)
-    da = (d * b * sig * (1.0 + a * (1.0 - sig))).to(x_ptr.dtype.element_ty).to(tl.float32)
-    db = (d * a * sig).to(x_ptr.dtype.element_ty).to(tl.float32)
-    return da, db
-
-
-@triton.jit
 def swiglu_kernel(x_ptr, y_ptr, yt_ptr, yt8_ptr, scale_ptr, M, F, FP8_MAX: tl.constexpr, MODE: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr):
-    pm, pn = tl.program_id(0), tl.program_id(1)
-    rm = (pm * BM + tl.arange(0, BM)).to(tl.int64)
-    rn = pn * BN + tl.arange(0, BN)
-    s = tl.load(scale_ptr)
-    mask = (rm[:, None] < M) & (rn[None, :] < F)
-    mt = (rn[:, None] < F) & (rm[None, :] < M)
+    rm, rn, s, mask, mt = _tile(scale_ptr, M, F, BM, BN)
     q = _clamp(_swiglu_at(x_ptr, rm[:, None], rn[None, :], F, mask), s, FP8_MAX)
     q8 = q.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rm[:, None] * F + rn[None, :], q8, mask=mask)
@@ -108,12 +92,7 @@ def swiglu_kernel(x_ptr, y_ptr, yt_ptr, yt8_ptr, scale_ptr, M, F, FP8_MAX: tl.co
 @triton.jit
 def swiglu_grad_kernel(x_ptr, d_ptr, g_ptr, gt_ptr, gt8_ptr, scale_ptr, M, F, FP8_MAX: tl.constexpr,
                        MODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    pm, pn = tl.program_id(0), tl.program_id(1)
-    rm = (pm * BM + tl.arange(0, BM)).to(tl.int64)
-    rn = pn * BN + tl.arange(0, BN)
-    s = tl.load(scale_ptr)
-    mask = (rm[:, None] < M) & (rn[None, :] < F)
-    mt = (rn[:, None] < F) & (rm[None, :] < M)
+    rm, rn, s, mask, mt = _tile(scale_ptr, M, F, BM, BN)
     da, db = _swiglu_grad_at(x_ptr, d_ptr, rm[:, None], rn[None, :], F, mask)
     qa, qb = _clamp(da, s, FP8_MAX), _clamp(db, s, FP8_MAX)
     qa8, qb8 = qa.to(g_ptr.dtype.element_ty), qb.to(g_ptr.dtype.element_ty)
@@ -133,17 +112,9 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 def reference(kind, x, d, s, dtype):
-    xf = x.float()
-    if kind == "cast":
-        v = xf
-    elif kind == "swiglu":
-        a, b = xf.chunk(2, -1)
-        v = (a * torch.sigmoid(a) * b).to(x.dtype).float()
-    else:
-        a, b = xf.chunk(2, -1)
-        dd, sig = d.float(), torch.sigmoid(a)
-        v = torch.cat([(dd * b * sig * (1.0 + a * (1.0 - sig))).to(x.dtype).float(),
-                       (dd * a * sig).to(x.dtype).float()], -1)
+    """torch's cast of what each kernel computes (the SwiGLU math of fp8_swiglu's references)."""
+    v = {"cast": lambda: x, "swiglu": lambda: swiglu_reference(x),
+         "swiglu_grad": lambda: swiglu_grad_reference(x, d)}[kind]().float()
     return (v * s).clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)
 
 
