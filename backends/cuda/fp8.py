@@ -80,8 +80,9 @@ if triton is not None:
             tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), 1), 0))
         yc = tl.minimum(tl.maximum(x * s, -FP8_MAX), FP8_MAX)
         tl.store(y_ptr + rm[:, None] * N + rn[None, :], yc.to(y_ptr.dtype.element_ty), mask=mask)
-        if TRANSPOSE:   # the tile loaded again in transposed order and cast the same way: no
-            # tl.trans (an fp8 and an fp32 tl.trans both stored wrong elements on an H100, Triton 3.6)
+        if TRANSPOSE:   # the tile loaded again in transposed order (from L2: 83-90 % of the copy) and
+            # cast the same way. A one-pass store is wrong for fp32 inputs under Triton 3.6's ptxas
+            # (Triton #11111; scripts/fp8_transpose_probe.py); fp8_swiglu uses it for bf16 only.
             xt = tl.load(x_ptr + rm[None, :] * stride_xm + rn[:, None],
                          mask=(rn[:, None] < N) & (rm[None, :] < M), other=0.0).to(tl.float32)
             yct = tl.minimum(tl.maximum(xt * s, -FP8_MAX), FP8_MAX)
