@@ -39,6 +39,8 @@ _strict = False
 _context: dict = {}
 _selections: list[dict] = []               # providers' choices: op, inputs, chosen, how, timings
 _graphs: list[dict] = []                   # CUDA graphs built: by whom, how many, ops captured
+_capture_probe = None                      # while graphs are built: says if the current stream captures
+_uncaptured: Counter = Counter()           # (op, impl) -> calls during a build but outside its captures
 
 
 def set_context(*, strict: bool, **info) -> None:
@@ -58,6 +60,8 @@ def patch_record(spec) -> PatchRecord:
 def ran(op: str, impl: str) -> None:
     """Count one call of `op` served by `impl`. Hot path: keep it a dict increment."""
     _op_counts[(op, impl)] += 1
+    if _capture_probe is not None and not _capture_probe():
+        _uncaptured[(op, impl)] += 1
 
 
 def fell_back(op: str, impl: str, reason: str) -> None:
@@ -66,6 +70,8 @@ def fell_back(op: str, impl: str, reason: str) -> None:
         raise StrictFallbackError(
             f"{op}: fell back to {impl} because {reason} (MEGATRON_ADAPT_STRICT=1 forbids fallbacks)")
     _op_counts[(op, impl)] += 1
+    if _capture_probe is not None and not _capture_probe():
+        _uncaptured[(op, impl)] += 1
     _op_fallbacks.setdefault((op, impl), reason)
 
 
@@ -74,20 +80,46 @@ def selected(op: str, inputs: str, chosen: str, how: str, notes: dict) -> None:
     _selections.append({"op": op, "inputs": inputs, "chosen": chosen, "how": how, "candidates": notes})
 
 
-def graphs_built(impl: str, graphs: int, seconds: float, captured_ops: dict) -> None:
-    """CUDA graphs were captured (`impl`); `captured_ops`: op [impl] -> calls made while capturing."""
-    _graphs.append({"impl": impl, "graphs": graphs, "seconds": seconds, "captured_ops": captured_ops})
+def graphs_built(impl: str, graphs: int, seconds: float, captured_ops: dict,
+                 warmup_ops: dict | None = None) -> None:
+    """CUDA graphs were captured (`impl`); `captured_ops`: op [impl] -> calls made while capturing;
+    `warmup_ops`: the calls the builder made eagerly meanwhile (Megatron's warm-up runs before each
+    capture), which the graphs do not hold."""
+    _graphs.append({"impl": impl, "graphs": graphs, "seconds": seconds, "captured_ops": captured_ops,
+                    "warmup_ops": dict(warmup_ops or {})})
+
+
+@contextlib.contextmanager
+def building_graphs(is_capturing):
+    """Inside, a call made while `is_capturing()` is False is also counted apart (uncaptured_counts),
+    so a graph build can tell its captured calls from its eager warm-up runs."""
+    global _capture_probe
+    outer, _capture_probe = _capture_probe, is_capturing
+    try:
+        yield
+    finally:
+        _capture_probe = outer
+
+
+def uncaptured_counts() -> dict[str, dict[str, int]]:
+    """op -> impl -> calls made inside building_graphs() outside a capture."""
+    out: dict[str, dict[str, int]] = {}
+    for (op, impl), n in sorted(_uncaptured.items()):
+        out.setdefault(op, {})[impl] = n
+    return out
 
 
 @contextlib.contextmanager
 def uncounted():
     """Calls made inside (a providers measurement) leave the op counts as they were."""
-    saved = _op_counts.copy()
+    saved, saved_uncaptured = _op_counts.copy(), _uncaptured.copy()
     try:
         yield
     finally:
         _op_counts.clear()
         _op_counts.update(saved)
+        _uncaptured.clear()
+        _uncaptured.update(saved_uncaptured)
 
 
 def op_counts() -> dict[str, dict[str, int]]:
@@ -99,6 +131,7 @@ def op_counts() -> dict[str, dict[str, int]]:
 
 def reset_op_counts() -> None:
     _op_counts.clear()
+    _uncaptured.clear()
     _op_fallbacks.clear()
     _selections.clear()
     _graphs.clear()
@@ -151,8 +184,10 @@ def format_table(data: dict | None = None) -> str:
         lines.append(f"  chosen {sel['chosen']:<32} for {sel['op']} [{sel['inputs']}]: {sel['how']}; {others}")
     for g in data.get("cuda_graphs", []):
         ops = ", ".join(f"{k} x{v}" for k, v in g["captured_ops"].items()) or "none"
+        warm = ", ".join(f"{k} x{v}" for k, v in g.get("warmup_ops", {}).items())
         lines.append(f"CUDA graphs: {g['graphs']} built by {g['impl']} in {g['seconds']} s; "
-                     f"backend ops captured: {ops}")
+                     f"backend ops captured: {ops}"
+                     + (f"; run eagerly in the builder's warm-up runs: {warm}" if warm else ""))
     return "\n".join(lines)
 
 

@@ -5,7 +5,8 @@ and which backend ops ran inside them; name the op when one cannot be captured.
 function; on the first step it captures every recorded layer's forward and backward graph (the
 layers ran eagerly once to record the order, and the backend's run-time choices among libraries
 were made then: providers never time anything inside a capture). The wrapper counts the graphs
-and the op calls made while capturing (report: cuda_graphs). If a capture raises, the error is
+and the op calls made while capturing (report: cuda_graphs, `captured_ops`); the calls Megatron's
+warm-up runs make eagerly before each capture are counted apart (`warmup_ops`). If a capture raises, the error is
 raised again naming the innermost megatron-adapt backend frame it came through (module, function
 and the ops that module serves), so a kernel that cannot be captured is named, not guessed.
 
@@ -78,10 +79,15 @@ class GraphCaptureError(RuntimeError):
 def _capturing(backend, label, graphs, run):
     """run() captures `graphs` CUDA graphs: count the backend op calls made meanwhile, report them,
     and name the op if the capture fails inside one."""
-    before = report.op_counts()
+    import torch
+
+    before, warm_before = report.op_counts(), report.uncaptured_counts()
     t0 = time.perf_counter()
     try:
-        result = run()
+        # no CUDA (the interpreter's tests of this wrapper): nothing captures, every call counts as before
+        with report.building_graphs(torch.cuda.is_current_stream_capturing if torch.cuda.is_available()
+                                    else None):
+            result = run()
     except Exception as exc:
         where = _backend_frame(exc)
         if where is None:
@@ -93,20 +99,24 @@ def _capturing(backend, label, graphs, run):
             f"{'' if inner == site else f' (innermost: {inner})'}: {type(exc).__name__}: {exc}. "
             f"That op cannot run inside a CUDA graph: disable its patch area "
             f"(MEGATRON_ADAPT_DISABLE) or run without --cuda-graph-impl.") from exc
-    after = report.op_counts()
-    captured = {}
+    after, warm_after = report.op_counts(), report.uncaptured_counts()
+    captured, warmup = {}, {}
     for op, impls in after.items():
         for impl, n in impls.items():
-            d = n - before.get(op, {}).get(impl, 0)
-            if d:
-                captured[f"{op} [{impl}]"] = d
+            warm = warm_after.get(op, {}).get(impl, 0) - warm_before.get(op, {}).get(impl, 0)
+            inside = n - before.get(op, {}).get(impl, 0) - warm
+            if inside:
+                captured[f"{op} [{impl}]"] = inside
+            if warm:
+                warmup[f"{op} [{impl}]"] = warm
     seconds = round(time.perf_counter() - t0, 3)
-    report.graphs_built(label, graphs, seconds, captured)
+    report.graphs_built(label, graphs, seconds, captured, warmup)
     if report._rank() == 0:
         print(f"megatron-adapt: {graphs} CUDA graphs built by {label} in {seconds} s, "
               f"{sum(captured.values())} backend op calls captured in them: "
-              + (", ".join(f"{k} x{v}" for k, v in captured.items()) or "none"), file=sys.stderr,
-              flush=True)
+              + (", ".join(f"{k} x{v}" for k, v in captured.items()) or "none")
+              + (f"; {sum(warmup.values())} more ran eagerly in the builder's warm-up runs"
+                 if warmup else ""), file=sys.stderr, flush=True)
     return result
 
 

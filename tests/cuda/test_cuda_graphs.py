@@ -77,15 +77,27 @@ def test_full_iteration_capture_is_reported(monkeypatch):
     w = torch.ones(64, device=DEVICE)
     rms_norm = BACKEND.op("rms_norm")
     hook = build_full_iteration(BACKEND, None)
-    step = lambda **kw: rms_norm(rms_norm(x, w, 1e-5), w, 1e-5)
-    kwargs = dict(forward_only=False)
+    graph = torch.cuda.CUDAGraph() if GPU else None
+
+    def step(capture=False, **kw):
+        out = rms_norm(rms_norm(x, w, 1e-5), w, 1e-5)       # eager (Megatron's warm-up runs are)
+        if capture and GPU:
+            with torch.cuda.graph(graph):
+                out = rms_norm(rms_norm(x, w, 1e-5), w, 1e-5)
+            graph.replay()
+        return out
+
     monkeypatch.setattr(report, "_graphs", [])
-    hook(step, _full_iteration_wrapper(monkeypatch, 0), (), kwargs)       # eager warm-up step
+    hook(step, _full_iteration_wrapper(monkeypatch, 0), (), dict(forward_only=False))   # eager warm-up step
     assert report._graphs == []
-    hook(step, _full_iteration_wrapper(monkeypatch, 1), (), kwargs)       # the capture
+    hook(step, _full_iteration_wrapper(monkeypatch, 1), (), dict(forward_only=False, capture=True))  # the capture
     (built,) = report._graphs
     assert built["impl"] == FULL_ITERATION_IMPL and built["graphs"] == 1, built
-    assert sum(n for k, n in built["captured_ops"].items() if k.startswith("rms_norm [")) == 2, built
+    rms = lambda ops: sum(n for k, n in ops.items() if k.startswith("rms_norm ["))
+    if GPU:   # inside the graph, and eager
+        assert rms(built["captured_ops"]) == 2 and rms(built["warmup_ops"]) == 2, built
+    else:     # no CUDA, nothing captures: the build's calls are counted as before
+        assert rms(built["captured_ops"]) == 2 and built["warmup_ops"] == {}, built
 
 
 def test_full_iteration_capture_failure_names_the_op(monkeypatch):

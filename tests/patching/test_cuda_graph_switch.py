@@ -359,3 +359,47 @@ def test_tensor_parallel_is_captured_pipeline_parallel_is_refused(python):
     for mode in (None, "local"):
         pp = run_case(python, mode, pp=2)
         assert "IMPL none" in pp.stdout and why in pp.stdout and "counter-productive to free a view" in pp.stdout, pp.stdout
+
+
+BUILD_REPORT = textwrap.dedent("""
+    import torch, types
+    import megatron_adapt
+    from megatron_adapt import report
+    megatron_adapt.apply("cpu", quiet=True)
+    from megatron_adapt.patches import cuda_graphs
+    capturing = [False]
+    torch.cuda.is_available = lambda: True                          # a GPU and the build's capture
+    torch.cuda.is_current_stream_capturing = lambda: capturing[0]   # phases, faked
+    report.ran("rms_norm", "cuda.triton")                            # before the build: neither count
+
+    def build():   # Megatron's builder: warm-up runs eagerly, then the capture, per layer
+        for layer in range(2):
+            for warmup in range(3):
+                report.ran("fp8_wgrad", "cuda.scaled_mm+main_grad.add_ (eager)")
+            capturing[0] = True
+            report.ran("fp8_wgrad", "cuda.cublaslt(beta=1, nvmath)")
+            report.ran("rms_norm", "cuda.triton")
+            capturing[0] = False
+
+    cuda_graphs._capturing(types.SimpleNamespace(name="cuda"), "Megatron (test)", 4, build)
+    (built,) = report.as_dict()["cuda_graphs"]
+    print("CAPTURED", sorted(built["captured_ops"].items()))
+    print("WARMUP", sorted(built["warmup_ops"].items()))
+    report.ran("rms_norm", "cuda.triton")                            # after it: counted once, as always
+    print("TOTAL", report.op_counts()["rms_norm"], report.uncaptured_counts())
+    print("TABLE", report.format_table().splitlines()[-1])
+""")
+
+
+def test_a_graph_build_tells_its_captured_calls_from_its_warmup_runs(python):
+    """Megatron's builder runs each layer eagerly (its warm-up runs) before capturing it: the report's
+    `captured_ops` holds only calls made while the stream captures, `warmup_ops` the eager ones (an
+    fp8 wgrad's eager `add_` path in warm-up is not in the graphs), and counting stops after the build."""
+    proc = python(BUILD_REPORT)
+    assert ("CAPTURED [('fp8_wgrad [cuda.cublaslt(beta=1, nvmath)]', 2), ('rms_norm [cuda.triton]', 2)]"
+            in proc.stdout), proc.stdout + proc.stderr
+    assert "WARMUP [('fp8_wgrad [cuda.scaled_mm+main_grad.add_ (eager)]', 6)]" in proc.stdout, proc.stdout
+    assert "TOTAL {'cuda.triton': 4} {'fp8_wgrad': {'cuda.scaled_mm+main_grad.add_ (eager)': 6}}" in proc.stdout, proc.stdout
+    assert "run eagerly in the builder's warm-up runs: fp8_wgrad" in proc.stdout, proc.stdout
+    assert "2 backend op calls" not in proc.stderr and "4 backend op calls captured" in proc.stderr, proc.stderr
+    assert "6 more ran eagerly in the builder's warm-up runs" in proc.stderr, proc.stderr
