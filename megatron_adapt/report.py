@@ -69,9 +69,7 @@ def fell_back(op: str, impl: str, reason: str) -> None:
     if _strict:
         raise StrictFallbackError(
             f"{op}: fell back to {impl} because {reason} (MEGATRON_ADAPT_STRICT=1 forbids fallbacks)")
-    _op_counts[(op, impl)] += 1
-    if _capture_probe is not None and not _capture_probe():
-        _uncaptured[(op, impl)] += 1
+    ran(op, impl)
     _op_fallbacks.setdefault((op, impl), reason)
 
 
@@ -80,13 +78,12 @@ def selected(op: str, inputs: str, chosen: str, how: str, notes: dict) -> None:
     _selections.append({"op": op, "inputs": inputs, "chosen": chosen, "how": how, "candidates": notes})
 
 
-def graphs_built(impl: str, graphs: int, seconds: float, captured_ops: dict,
-                 warmup_ops: dict | None = None) -> None:
+def graphs_built(impl: str, graphs: int, seconds: float, captured_ops: dict, warmup_ops: dict) -> None:
     """CUDA graphs were captured (`impl`); `captured_ops`: op [impl] -> calls made while capturing;
     `warmup_ops`: the calls the builder made eagerly meanwhile (Megatron's warm-up runs before each
     capture), which the graphs do not hold."""
     _graphs.append({"impl": impl, "graphs": graphs, "seconds": seconds, "captured_ops": captured_ops,
-                    "warmup_ops": dict(warmup_ops or {})})
+                    "warmup_ops": warmup_ops})
 
 
 @contextlib.contextmanager
